@@ -1,0 +1,219 @@
+"""RMSNorm forward and backward as Pallas TPU kernels.
+
+Layout: any leading dims are flattened to rows; a grid step owns a
+[block_rows, hidden] slab with the full hidden size, so the mean of squares
+never crosses a step and each element of x (and residual) is read once and
+each output written once. A hidden size that is not a multiple of 128 is a
+full-extent block: Mosaic pads lanes internally and the mean divides by the
+true size. The last row block may run past the array: its extra rows are
+independent garbage whose writes Pallas drops, except in the weight gradient,
+where they are masked out before the reduction.
+
+The weight gradient is reduced inside the backward kernel: an f32 [1, hidden]
+output block that stays resident across the (sequential) row axis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import tiling
+
+
+def _resolve_generation(generation):
+    if generation is not None:
+        return generation
+    from ._torch_bindings.backend import detected_generation  # no torch needed
+
+    return detected_generation()
+
+
+def _effective_weight(w_ref, gemma):
+    w = w_ref[...].astype(jnp.float32)
+    return 1.0 + w if gemma else w
+
+
+def _fwd_kernel(*refs, eps, gemma, has_residual):
+    if has_residual:
+        x_ref, r_ref, w_ref, y_ref, s_ref = refs
+        s = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(s_ref.dtype)
+        s_ref[...] = s
+        x = s.astype(jnp.float32)
+    else:
+        x_ref, w_ref, y_ref = refs
+        x = x_ref[...].astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    y_ref[...] = (x * rstd * _effective_weight(w_ref, gemma)).astype(y_ref.dtype)
+
+
+def _bwd_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
+    if has_ds:
+        dy_ref, ds_ref, s_ref, w_ref, dx_ref, dw_ref = refs
+    else:
+        dy_ref, s_ref, w_ref, dx_ref, dw_ref = refs
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _init():
+        dw_ref[...] = jnp.zeros_like(dw_ref)
+
+    x = s_ref[...].astype(jnp.float32)
+    dy = dy_ref[...].astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    xhat = x * rstd
+    g = dy * _effective_weight(w_ref, gemma)
+    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    if has_ds:
+        dx = dx + ds_ref[...].astype(jnp.float32)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    row = i * block_rows + jax.lax.broadcasted_iota(jnp.int32, dy.shape, 0)
+    contrib = jnp.where(row < rows, dy * xhat, 0.0)
+    dw_ref[...] += jnp.sum(contrib, axis=0, keepdims=True)
+
+
+def _row_spec(block_rows, hidden):
+    return pl.BlockSpec((block_rows, hidden), lambda i: (i, 0))
+
+
+def _weight_spec(hidden):
+    return pl.BlockSpec((1, hidden), lambda i: (0, 0))
+
+
+def _flatten(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def rms_norm_fwd(x, weight, residual=None, *, eps: float, gemma: bool = False,
+                 interpret: bool = False, generation: str | None = None, config=None):
+    """y = x / rms(x) * w  (w -> 1 + w if gemma). With `residual`: returns (y, x + residual),
+    y normalising the updated residual as stored in x's dtype."""
+    shape = x.shape
+    hidden = shape[-1]
+    x2 = _flatten(x)
+    rows = x2.shape[0]
+    has_residual = residual is not None
+    if rows == 0:  # an empty grid is not a valid launch
+        return (x, x) if has_residual else x
+    streams = (x.dtype.itemsize,) * (4 if has_residual else 2)  # x[, residual] in; y[, sum] out
+    cfg = config or tiling.choose_config(rows, hidden, streams, _resolve_generation(generation))
+    br = cfg.block_rows
+    operands = [x2] + ([_flatten(residual)] if has_residual else []) + [weight.reshape(1, hidden)]
+    in_specs = [_row_spec(br, hidden)] * (1 + has_residual) + [_weight_spec(hidden)]
+    out_shape = [jax.ShapeDtypeStruct((rows, hidden), x.dtype)] * (1 + has_residual)
+    itemsize = x.dtype.itemsize
+    outs = pl.pallas_call(
+        functools.partial(_fwd_kernel, eps=eps, gemma=gemma, has_residual=has_residual),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=in_specs,
+        out_specs=[_row_spec(br, hidden)] * (1 + has_residual),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=cfg.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * rows * hidden,
+            transcendentals=rows,
+            bytes_accessed=(len(operands) - 1 + len(out_shape)) * rows * hidden * itemsize
+            + hidden * weight.dtype.itemsize,
+        ),
+        interpret=interpret,
+        name="rms_norm_fwd",
+    )(*operands)
+    if has_residual:
+        return outs[0].reshape(shape), outs[1].reshape(shape)
+    return outs[0].reshape(shape)
+
+
+def rms_norm_bwd(dy, ds, s, weight, *, eps: float, gemma: bool = False,
+                 interpret: bool = False, generation: str | None = None, config=None):
+    """(dx, dweight) of y = rms_norm(s); `ds` (or None) is the gradient flowing
+    into s directly (the fused residual output), added to dx."""
+    shape = s.shape
+    hidden = shape[-1]
+    s2, dy2 = _flatten(s), _flatten(dy)
+    rows = s2.shape[0]
+    if rows == 0:
+        return jnp.zeros_like(s), jnp.zeros_like(weight)
+    has_ds = ds is not None
+    streams = (dy.dtype.itemsize, s.dtype.itemsize, s.dtype.itemsize) + (
+        (ds.dtype.itemsize,) if has_ds else ()
+    )
+    cfg = config or tiling.choose_config(rows, hidden, streams, _resolve_generation(generation))
+    br = cfg.block_rows
+    operands = [dy2] + ([_flatten(ds)] if has_ds else []) + [s2, weight.reshape(1, hidden)]
+    in_specs = [_row_spec(br, hidden)] * (2 + has_ds) + [_weight_spec(hidden)]
+    dx, dw = pl.pallas_call(
+        functools.partial(
+            _bwd_kernel, eps=eps, gemma=gemma, has_ds=has_ds, rows=rows, block_rows=br
+        ),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=in_specs,
+        out_specs=[_row_spec(br, hidden), _weight_spec(hidden)],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, hidden), s.dtype),
+            jax.ShapeDtypeStruct((1, hidden), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            # The weight gradient accumulates across row blocks: sequential.
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=cfg.vmem_limit_bytes
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=10 * rows * hidden,
+            transcendentals=rows,
+            bytes_accessed=(len(operands) - 1 + 1) * rows * hidden * s.dtype.itemsize
+            + hidden * (weight.dtype.itemsize + 4),
+        ),
+        interpret=interpret,
+        name="rms_norm_bwd",
+    )(*operands)
+    return dx.reshape(shape), dw.reshape(weight.shape).astype(weight.dtype)
+
+
+# -- JAX API with autodiff ----------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def rms_norm(x, weight, eps: float = 1e-6, gemma: bool = False,
+             interpret: bool = False, generation: str | None = None):
+    """Differentiable RMSNorm for JAX callers (the torch ops wrap the same kernels)."""
+    return rms_norm_fwd(x, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation)
+
+
+def _rms_norm_vjp_fwd(x, weight, eps, gemma, interpret, generation):
+    return rms_norm(x, weight, eps, gemma, interpret, generation), (x, weight)
+
+
+def _rms_norm_vjp_bwd(eps, gemma, interpret, generation, res, dy):
+    x, weight = res
+    return rms_norm_bwd(dy, None, x, weight, eps=eps, gemma=gemma,
+                        interpret=interpret, generation=generation)
+
+
+rms_norm.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, gemma: bool = False,
+                       interpret: bool = False, generation: str | None = None):
+    """(rms_norm(x + residual), x + residual), differentiable for JAX callers."""
+    return rms_norm_fwd(x, weight, residual, eps=eps, gemma=gemma,
+                        interpret=interpret, generation=generation)
+
+
+def _fused_vjp_fwd(x, residual, weight, eps, gemma, interpret, generation):
+    y, s = fused_add_rms_norm(x, residual, weight, eps, gemma, interpret, generation)
+    return (y, s), (s, weight)
+
+
+def _fused_vjp_bwd(eps, gemma, interpret, generation, res, grads):
+    s, weight = res
+    dy, ds = grads
+    dx, dw = rms_norm_bwd(dy, ds, s, weight, eps=eps, gemma=gemma,
+                          interpret=interpret, generation=generation)
+    return dx, dx, dw
+
+
+fused_add_rms_norm.defvjp(_fused_vjp_fwd, _fused_vjp_bwd)

@@ -1,0 +1,10 @@
+# Sourced by the scripts: project venv on PATH, and JAX kept off a TPU that is not there.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+export PATH="$VENV/bin:$PATH"
+# libtpu is installed; without a TPU, JAX would try (and fail) to open one.
+if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
+  export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+fi
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:<TorchTpu/Performance/TcMalloc/}"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"

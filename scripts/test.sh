@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's test command: set up, then run the whole suite on this machine's CPU.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+source scripts/env.sh
+set +e
+python -m pytest tests "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  echo "test.sh: pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit $rc

@@ -1,0 +1,21 @@
+"""Test session setup: the source tree importable as the built kernels are, JAX on the CPU."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_DIRS = sorted(p for p in (ROOT / "kernels").iterdir() if p.is_dir())
+# Append (not prepend) the repo root, so that `import kernels` keeps meaning
+# Hugging Face's library; each kernel folder holds its package (e.g. rmsnorm_tpu).
+for p in [*KERNEL_DIRS, ROOT]:
+    if str(p) not in sys.path:
+        sys.path.append(str(p))
+
+from hypothesis import settings  # noqa: E402
+
+# Interpret mode is slow: few, deterministic examples, no deadline.
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=12, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

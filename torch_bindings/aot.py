@@ -1,0 +1,82 @@
+"""Ahead-of-time compilation for TPUs that are not attached.
+
+libtpu compiles for a named topology without the chip, so Mosaic's VMEM and
+layout checks run on any host. This is the compile gate tests and bench use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+
+# Generation name -> topology string understood by libtpu.
+TOPOLOGIES = {
+    "v5e": "v5e:1x1",
+    "v6e": "v6e:1x1",
+    "tpu7x": "tpu7x:1x1x1",
+    "v5p": "v5p:1x1x1",
+}
+DEFAULT_GENERATIONS = ("v5e", "v6e", "tpu7x")
+
+
+@functools.lru_cache(maxsize=None)
+def topology_device(generation: str):
+    from jax.experimental import topologies
+
+    if generation not in TOPOLOGIES:
+        raise ValueError(
+            f"generation: expected one of {sorted(TOPOLOGIES)}, got {generation!r}"
+        )
+    return topologies.get_topology_desc(TOPOLOGIES[generation], platform="tpu").devices[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    generation: str
+    ok: bool
+    error: str | None
+    temp_bytes: int | None  # scoped/temp memory the compiler reserved, if readable
+    flops: float | None
+    bytes_accessed: float | None
+
+
+def tpu_compile(
+    fn: Callable[..., Any],
+    args: Sequence[jax.ShapeDtypeStruct],
+    generation: str,
+    static_kwargs: dict | None = None,
+):
+    """Compiles fn(*args, **static_kwargs) for `generation`; returns the executable."""
+    dev = topology_device(generation)
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    placed = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args
+    ]
+    f = functools.partial(fn, **(static_kwargs or {}))
+    return jax.jit(f).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
+
+
+def try_tpu_compile(fn, args, generation, static_kwargs=None) -> CompileResult:
+    """Like tpu_compile, but reports failure (e.g. VMEM OOM) instead of raising."""
+    try:
+        compiled = tpu_compile(fn, args, generation, static_kwargs)
+    except Exception as e:  # noqa: BLE001 - the compiler raises many types
+        return CompileResult(generation, False, f"{type(e).__name__}: {e}"[:2000], None, None, None)
+    temp = flops = nbytes = None
+    try:
+        mem = compiled.memory_analysis()
+        temp = int(getattr(mem, "temp_size_in_bytes", 0))
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        cost = compiled.cost_analysis()
+        if isinstance(cost, (list, tuple)):
+            cost = cost[0]
+        flops = float(cost.get("flops", 0.0))
+        nbytes = float(cost.get("bytes accessed", 0.0))
+    except Exception:  # noqa: BLE001
+        pass
+    return CompileResult(generation, True, None, temp, flops, nbytes)

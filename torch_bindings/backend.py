@@ -1,0 +1,76 @@
+"""Which implementation a host (CPU) tensor runs, and which TPU generation we target.
+
+CPU tensors run the same JAX function as the TPU: the Pallas kernel in
+interpret mode (default: what is tested is what ships), or, for users who just
+want speed on a CPU, the XLA reference. Select with the environment variable
+`TPU_KERNELS_CPU_IMPL=interpret|reference` or, scoped, with
+`torch_bindings.cpu_impl("reference")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+
+CPU_IMPLS = ("interpret", "reference")
+_state = threading.local()
+
+
+def current_cpu_impl() -> str:
+    impl = getattr(_state, "cpu_impl", None) or os.environ.get("TPU_KERNELS_CPU_IMPL", "interpret")
+    if impl not in CPU_IMPLS:
+        raise ValueError(
+            f"TPU_KERNELS_CPU_IMPL: expected one of {CPU_IMPLS}, got {impl!r}"
+        )
+    return impl
+
+
+@contextlib.contextmanager
+def cpu_impl(impl: str):
+    """Temporarily run host tensors through `impl` ("interpret" or "reference")."""
+    if impl not in CPU_IMPLS:
+        raise ValueError(f"impl: expected one of {CPU_IMPLS}, got {impl!r}")
+    prev = getattr(_state, "cpu_impl", None)
+    _state.cpu_impl = impl
+    try:
+        yield
+    finally:
+        _state.cpu_impl = prev
+
+
+# device_kind strings JAX reports, mapped to our generation names.
+_KIND_TO_GENERATION = (
+    ("v5 lite", "v5e"),
+    ("v5e", "v5e"),
+    ("v5p", "v5p"),
+    ("v5", "v5p"),
+    ("v6", "v6e"),
+    ("7x", "tpu7x"),
+    ("v7", "tpu7x"),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def detected_generation() -> str:
+    """The TPU generation block-size tables are chosen for.
+
+    `TPU_KERNELS_GENERATION` wins; then an attached TPU's device kind; else v6e
+    (the tables for every generation are compile-checked in CI).
+    """
+    env = os.environ.get("TPU_KERNELS_GENERATION")
+    if env:
+        return env
+    try:
+        import jax
+
+        devs = [d for d in jax.devices() if d.platform == "tpu"]
+    except Exception:  # noqa: BLE001 - no TPU backend on this host
+        devs = []
+    if devs:
+        kind = devs[0].device_kind.lower()
+        for key, gen in _KIND_TO_GENERATION:
+            if key in kind:
+                return gen
+    return "v6e"
