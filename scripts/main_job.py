@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""The README's main job, end to end on the machine at hand.
+
+1. build every Hub kernel with publish.py into dist/;
+2. load each one the way a user does, `get_kernel("org/name", version=1)`
+   (LOCAL_KERNELS points the loader at dist/, no network);
+3. run a tiny random MoE model (Qwen3-MoE layout) with transformers' default
+   experts path and with `experts_implementation="ragged_dot_tpu"` from the
+   loaded kernel, and check that greedy generation agrees; kernelize its
+   RMSNorm layers with rmsnorm-tpu and check the logits agree;
+4. run the short batch-size sweep of the TPU performance model (bench/).
+
+On a TPU host the kernels run on the TPU; elsewhere they run through JAX on
+the CPU (Pallas interpret mode) and the job says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _say(msg: str) -> None:
+    print(f"[main] {msg}", flush=True)
+
+
+def device() -> str:
+    import torch
+
+    tpu = getattr(torch, "tpu", None)
+    try:
+        if tpu is not None and tpu.is_available() and tpu.device_count() > 0:
+            return "tpu"
+    except Exception:  # noqa: BLE001 - torch_tpu without a chip raises here
+        pass
+    return "cpu"
+
+
+def build(out: Path) -> dict[str, Path]:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)], check=True)
+    lib = tomllib.loads((ROOT / "build.toml").read_text())["library"]
+    repos = {}
+    for folder in lib["kernels"]:
+        general = tomllib.loads((ROOT / "kernels" / folder / "build.toml").read_text())["general"]
+        repo_id = f"{lib['org']}/{general['name']}"
+        repos[repo_id] = out / general["name"]
+    return repos
+
+
+def load_all(repos: dict[str, Path]):
+    os.environ["LOCAL_KERNELS"] = ":".join(f"{r}={p}" for r, p in repos.items())
+    from kernels import get_kernel
+
+    loaded = {}
+    for repo_id in repos:
+        k = get_kernel(repo_id, version=1, trust_remote_code=[repo_id])
+        loaded[repo_id.split("/", 1)[1]] = k
+        _say(f"get_kernel({repo_id!r}, version=1) -> module {k.__name__}, exports {', '.join(k.__all__)}")
+    return loaded
+
+
+def tiny_moe(save_dir: Path):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                         norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).float()
+    model.save_pretrained(save_dir)
+    return save_dir
+
+
+def run_moe(loaded, dev: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    rd = loaded.get("ragged-dot-tpu")
+    if rd is None:
+        _say("ragged-dot-tpu is not built yet: skipping the MoE model")
+        return
+    ALL_EXPERTS_FUNCTIONS.register("ragged_dot_tpu", rd.experts_forward)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tiny_moe(Path(tmp))
+        ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0)).to(dev)
+        outs = {}
+        for impl in ("grouped_mm", "ragged_dot_tpu"):
+            model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl).to(dev).eval()
+            with torch.no_grad():
+                outs[impl] = model.generate(ids, max_new_tokens=8, do_sample=False)
+            _say(f"tiny Qwen3-MoE, experts_implementation={impl!r}: {outs[impl][0, -8:].tolist()}")
+        same = torch.equal(outs["grouped_mm"], outs["ragged_dot_tpu"])
+        _say(f"greedy tokens identical: {same}")
+        if not same:
+            raise SystemExit("ragged_dot_tpu disagrees with transformers' grouped_mm")
+
+
+def run_rmsnorm(loaded, repos, dev: str) -> None:
+    import torch
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if "rmsnorm-tpu" not in loaded:
+        return
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)).float().to(dev).eval()
+    model = copy.deepcopy(ref)
+    repo_path = next(p for r, p in repos.items() if r.endswith("/rmsnorm-tpu"))
+    mapping = {"RMSNorm": {dev: LocalLayerRepository(repo_path=repo_path, layer_name="RMSNorm")}}
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        model = kernelize(model, device=dev, mode=Mode.INFERENCE)
+    ids = torch.randint(0, 128, (2, 9)).to(dev)
+    with torch.no_grad():
+        err = (model(ids).logits - ref(ids).logits).abs().max().item()
+    _say(f"tiny Llama with kernelized rmsnorm-tpu: max |logits - reference| = {err:.2e}")
+    if err > 1e-3:
+        raise SystemExit("kernelized RMSNorm disagrees with transformers")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "results"), help="where the sweep report and plots go")
+    p.add_argument("--dist", default=str(ROOT / "dist"), help="where publish.py writes the Hub repos")
+    p.add_argument("--full", action="store_true", help="full sweep instead of the quick one")
+    args = p.parse_args(argv)
+
+    dev = device()
+    if dev == "cpu":
+        _say("no TPU on this machine: kernels run through JAX on the CPU (Pallas interpret mode); "
+             "TPU performance comes from the model in bench/, not from timings")
+    else:
+        _say("TPU found: kernels run on the TPU")
+    repos = build(Path(args.dist))
+    loaded = load_all(repos)
+    run_rmsnorm(loaded, repos, dev)
+    run_moe(loaded, dev)
+    sweep = [sys.executable, "-m", "bench", "--out", args.out] + ([] if args.full else ["--quick"])
+    _say("sweep: " + " ".join(sweep[1:]))
+    subprocess.run(sweep, check=True, cwd=ROOT)
+    _say(f"report: {Path(args.out) / 'report.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
