@@ -6,5 +6,7 @@ export PATH="$VENV/bin:$PATH"
 if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 fi
+# Tests and helpers start several processes that load libtpu (compile gate, subprocess loads).
+export ALLOW_MULTIPLE_LIBTPU_LOAD="${ALLOW_MULTIPLE_LIBTPU_LOAD:-1}"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:<TorchTpu/Performance/TcMalloc/}"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIRS = sorted(p for p in (ROOT / "kernels").iterdir() if p.is_dir())

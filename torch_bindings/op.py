@@ -197,3 +197,89 @@ class OpLibrary:
         op = JaxOp(self, name, schema, kernel, reference)
         self.ops[name] = op
         return op
+
+    def define_differentiable(self, name: str, schema: str, *, kernel, reference,
+                              differentiable: tuple[str, ...]) -> JaxOp:
+        return _define_differentiable(self, name, schema, kernel=kernel, reference=reference,
+                                      differentiable=differentiable)
+
+
+def _vjp_function(fn, num_outputs: int, diff_idx: tuple[int, ...], arg_count: int):
+    """JAX backward of `fn`: (cotangents..., primal args...) -> one gradient per diff arg.
+
+    The gradient comes from jax.vjp, i.e. from the kernel's own custom_vjp
+    (its backward Pallas kernels). A differentiable argument passed as None
+    (an absent optional tensor) gets a 0-element placeholder, since op
+    schemas cannot return None.
+    """
+
+    def backward(*args, **kwargs):
+        cts, primals = args[:num_outputs], list(args[num_outputs:])
+        assert len(primals) == arg_count
+        live = tuple(i for i in diff_idx if primals[i] is not None)
+
+        def f(*diff_vals):
+            full = list(primals)
+            for i, v in zip(live, diff_vals):
+                full[i] = v
+            return fn(*full, **kwargs)
+
+        _, vjp = jax.vjp(f, *(primals[i] for i in live))
+        grads = dict(zip(live, vjp(cts[0] if num_outputs == 1 else tuple(cts))))
+        return tuple(
+            grads[i] if i in grads else jax.numpy.zeros((0,), jax.numpy.float32) for i in diff_idx
+        )
+
+    return backward
+
+
+def _define_differentiable(self: "OpLibrary", name: str, schema: str, *, kernel, reference,
+                           differentiable: tuple[str, ...]) -> JaxOp:
+    """Defines `name` and `name_backward`, and wires autograd between them.
+
+    `differentiable` names the tensor arguments that get gradients. The
+    backward op takes the output cotangents then the forward's arguments, and
+    runs jax.vjp of the same JAX function (the kernel's custom_vjp), so the
+    backward is itself a kernel op on every device.
+    """
+    fwd = self.define(name, schema, kernel=kernel, reference=reference)
+    names, kinds = fwd._arg_names, fwd._kinds
+    diff_idx = tuple(names.index(n) for n in differentiable)
+    n_out = fwd._num_returns
+    args_sig = schema[schema.index("(") + 1: schema.rindex(") ->")]
+    ct_sig = ", ".join(f"Tensor _ct{i}" for i in range(n_out))
+    rets = ", ".join("Tensor" for _ in diff_idx)
+    bwd_schema = f"({ct_sig}, {args_sig}) -> ({rets})" if len(diff_idx) > 1 else f"({ct_sig}, {args_sig}) -> Tensor"
+    bwd = self.define(
+        f"{name}_backward", bwd_schema,
+        kernel=_vjp_function(kernel, n_out, diff_idx, len(names)),
+        reference=_vjp_function(reference, n_out, diff_idx, len(names)),
+    )
+
+    def setup_context(ctx, inputs, output):
+        tensor_pos = [i for i, k in enumerate(kinds) if k.endswith("tensor") and inputs[i] is not None]
+        ctx.save_for_backward(*(inputs[i] for i in tensor_pos))
+        ctx.tensor_pos = tensor_pos
+        ctx.inputs = [None if i in tensor_pos else a for i, a in enumerate(inputs)]
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        ctx.out_meta = [(o.shape, o.dtype) for o in outs]
+
+    def backward(ctx, *grads):
+        args = list(ctx.inputs)
+        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
+            args[i] = t
+        cts = [
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=args[ctx.tensor_pos[0]].device)
+            for g, (shape, dtype) in zip(grads, ctx.out_meta)
+        ]
+        got = bwd(*cts, *args)
+        got = got if isinstance(got, (tuple, list)) else (got,)
+        result = [None] * len(kinds)
+        for i, g in zip(diff_idx, got):
+            result[i] = None if args[i] is None else g
+        return tuple(result)
+
+    fwd.register_autograd(backward, setup_context)
+    fwd.backward_op = bwd
+    return fwd
+
