@@ -42,7 +42,8 @@ _FAST = _fast_from_dlpack()
 def to_jax(t: torch.Tensor) -> jax.Array:
     """A host torch tensor as a JAX array sharing its memory (copies only if unaligned)."""
     # Inside an op, autograd has already been handled: drop the flag DLPack refuses.
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == torch.int64:

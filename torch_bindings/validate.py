@@ -73,9 +73,15 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first.device
 
 
+_SUPPORTED_DEVICE_TYPES: tuple[str, ...] | None = None
+
+
 def check_supported_device(name: str, t: torch.Tensor) -> None:
-    ok = t.device.type in ("cpu", "meta", torch._C._get_privateuse1_backend_name())
-    if not ok:
+    global _SUPPORTED_DEVICE_TYPES
+    if _SUPPORTED_DEVICE_TYPES is None:
+        # TorchTPU registers "tpu" as the PrivateUse1 backend name.
+        _SUPPORTED_DEVICE_TYPES = ("cpu", "meta", torch._C._get_privateuse1_backend_name())
+    if t.device.type not in _SUPPORTED_DEVICE_TYPES:
         raise ValueError(
             f"{name}: expected a tensor on tpu, cpu or meta, got device {t.device}"
         )
