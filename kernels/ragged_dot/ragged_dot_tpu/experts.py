@@ -1,0 +1,112 @@
+"""`experts_forward`: a drop-in for transformers' experts interface (transformers 5.22).
+
+Register it and load a model with it:
+
+    ALL_EXPERTS_FUNCTIONS.register("ragged_dot_tpu", kernel.experts_forward)
+    AutoModelForCausalLM.from_pretrained(..., experts_implementation="ragged_dot_tpu")
+
+The whole layer (sort by expert, histogram, gather, gate/up ragged dot,
+activation, down ragged dot, routing weights, unpermute, f32 sum over top-k)
+is one op, i.e. one TPU program per MoE layer call in eager mode. That needs
+the gate to be one we can express in JAX: transformers' default
+`act_fn(gate) * up` with a known activation, or GPT-OSS's clamped GLU.
+Anything else (a custom `_apply_gate`, an unknown activation module, a
+post-expert norm) takes the documented slower path: the same two ragged-dot
+kernels, with the model's own Python gate/norm between them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops import _moe_experts, ragged_dot
+
+# transformers activation modules (by class name) -> our activation names.
+_ACTIVATIONS = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUTanh": "gelu_pytorch_tanh",
+    "PytorchGELUTanh": "gelu_pytorch_tanh",
+    "NewGELUActivation": "gelu_pytorch_tanh",
+    "GELUActivation": "gelu",
+    "ReLU": "relu",
+    "ReLUSquaredActivation": "relu2",
+}
+
+
+def _activation_name(act_fn) -> str | None:
+    if act_fn is None:
+        return None
+    name = _ACTIVATIONS.get(type(act_fn).__name__)
+    if type(act_fn).__name__ == "GELU" and isinstance(act_fn, nn.GELU):
+        name = "gelu_pytorch_tanh" if act_fn.approximate == "tanh" else "gelu"
+    return name
+
+
+def _fused_activation(module) -> str | None:
+    """The activation name the fused op implements for this module, or None."""
+    if getattr(module, "has_post_expert_norm", False):
+        return None
+    if not module.has_gate:
+        return _activation_name(getattr(module, "act_fn", None))
+    gate = getattr(type(module), "_apply_gate", None)
+    qualname = getattr(gate, "__qualname__", "")
+    if qualname == "_default_apply_gate":
+        return _activation_name(getattr(module, "act_fn", None))
+    if qualname == "GptOssExperts._apply_gate":
+        return "gpt_oss"
+    return None
+
+
+def _weights(module):
+    gate_up = module.gate_up_proj if module.has_gate else module.up_proj
+    prefix = "gate_up_proj" if module.has_gate else "up_proj"
+    up_bias = getattr(module, f"{prefix}_bias", None) if module.has_bias else None
+    down_bias = module.down_proj_bias if module.has_bias else None
+    return gate_up, module.down_proj, up_bias, down_bias
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers experts interface: [T, H], [T, k] ids, [T, k] weights -> [T, H]."""
+    gate_up, down, up_bias, down_bias = _weights(self)
+    activation = _fused_activation(self)
+    if activation is None:
+        return _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return _moe_experts(
+        hidden_states, top_k_index, top_k_weights, gate_up, down, up_bias, down_bias,
+        int(self.num_experts), bool(self.has_gate), bool(self.is_transposed),
+        bool(getattr(self, "is_concatenated", True)), activation, 0,
+        float(getattr(self, "alpha", 1.702)), float(getattr(self, "limit", 7.0)),
+    )
+
+
+def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Slower path for gates and norms we cannot fuse: two ragged-dot kernel calls,
+    the model's own `_apply_gate` / `act_fn` / `post_expert_norm` between them."""
+    gate_up, down, up_bias, down_bias = _weights(self)
+    num_tokens, k = top_k_index.shape
+    num_experts = int(self.num_experts)
+    ids = top_k_index.reshape(-1)
+    valid = (ids >= 0) & (ids < num_experts)  # expert-parallel sentinels are >= num_experts
+    key = torch.where(valid, ids, num_experts)
+    order = torch.argsort(key, stable=True)
+    key_sorted = key[order]
+    group_sizes = torch.bincount(key, minlength=num_experts + 1)[:num_experts].to(torch.int32)
+    x = hidden_states[order // k].to(gate_up.dtype)
+    rows_expert = key_sorted.clamp(max=num_experts - 1)
+    proj = ragged_dot(x, gate_up, group_sizes, transpose_rhs=not self.is_transposed)
+    if up_bias is not None:
+        proj = proj + up_bias[rows_expert]
+    proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
+    out = ragged_dot(proj.to(down.dtype), down, group_sizes, transpose_rhs=not self.is_transposed)
+    if down_bias is not None:
+        out = out + down_bias[rows_expert]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    keep = valid[order].unsqueeze(-1)
+    weighted = torch.where(keep, out.float(), 0.0) * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inv].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

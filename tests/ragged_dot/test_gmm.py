@@ -1,0 +1,325 @@
+"""ragged_dot-tpu kernels (gmm, tgmm, custom_vjp) in interpret mode vs references.
+
+References: jax.lax.ragged_dot (reference.py) and a torch loop
+(reference_torch.py); tolerances are documented in reference.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ragged_dot_tpu import checks, tiling
+from ragged_dot_tpu.gmm import gmm, gmm_dma_schedule
+from ragged_dot_tpu.ragged_dot import ragged_dot
+from ragged_dot_tpu.reference import ragged_dot_reference, tgmm_reference, tolerance
+from ragged_dot_tpu.reference_torch import ragged_dot_torch
+from ragged_dot_tpu.tgmm import tgmm
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def _close(actual, expected, dtype, k):
+    a = np.asarray(jnp.asarray(actual, jnp.float32))
+    e = np.asarray(jnp.asarray(expected, jnp.float32))
+    scale = max(1.0, float(np.abs(e).max(initial=0.0)))
+    np.testing.assert_allclose(a, e, **tolerance(dtype, k, scale))
+
+
+def _rand(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _sizes(draw, m, g):
+    """Group sizes with sum <= m, often with empty groups and a short sum."""
+    total = draw(st.sampled_from([m, m, max(m - 3, 0), m // 2, 0]))
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
+    edges = [0, *cuts, total]
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _blocks(draw, m, dtype):
+    sub = tiling.sublane(dtype)
+    bm = draw(st.sampled_from([sub, 2 * sub, 4 * sub, tiling.round_up(max(m, 1), sub)]))
+    chunk = draw(st.sampled_from([sub, 2 * sub]))
+    return bm, min(chunk, bm)
+
+
+def _slab(draw, n):
+    return draw(st.sampled_from([n] + [128] * (n % 128 == 0 and n > 128)))
+
+
+def _configs(draw, m, k, n, dtype):
+    """Small explicit blocks, so that several row tiles and N slabs are walked."""
+    bm, chunk = _blocks(draw, m, dtype)
+    fwd = tiling.GmmConfig(bm, _slab(draw, n), chunk)
+    bwd_lhs = tiling.GmmConfig(bm, _slab(draw, k), chunk)
+    bwd_rhs = tiling.TgmmConfig(bm, _slab(draw, k), _slab(draw, n), chunk)
+    return tiling.RaggedDotConfig(fwd, bwd_lhs, bwd_rhs)
+
+
+@st.composite
+def problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    m = draw(st.sampled_from([1, 5, 8, 24, 37, 64]))
+    k = draw(st.sampled_from([1, 7, 40, 128, 136]))
+    n = draw(st.sampled_from([3, 50, 128, 256]))
+    g = draw(st.integers(1, 5))
+    sizes = _sizes(draw, m, g)
+    cfg = _configs(draw, m, k, n, dtype) if draw(st.booleans()) else None
+    seed = draw(st.integers(0, 2**16))
+    return dtype, m, k, n, sizes, cfg, seed
+
+
+def _fwd_bwd(f, lhs, rhs, ct):
+    out, vjp = jax.vjp(f, lhs, rhs)
+    return (out, *vjp(ct))
+
+
+@settings(max_examples=14, deadline=None, derandomize=True)
+@given(problems())
+def test_ragged_dot_fwd_and_grads_match_references(problem):
+    dtype, m, k, n, sizes, cfg, seed = problem
+    rng = np.random.default_rng(seed)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (m, k), dtype), _rand(rng, (len(sizes), k, n), dtype)
+    ct = _rand(rng, (m, n), dtype)
+    out, d_lhs, d_rhs = _fwd_bwd(
+        lambda a, b: ragged_dot(a, b, gs, config=cfg, interpret=True), lhs, rhs, ct)
+    r_out, r_lhs, r_rhs = _fwd_bwd(lambda a, b: ragged_dot_reference(a, b, gs), lhs, rhs, ct)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _close(out, r_out, dtype, k)
+    _close(d_lhs, r_lhs, dtype, n)
+    _close(d_rhs, r_rhs, dtype, m)
+    # Rows past sum(group_sizes) are exactly zero, not merely close.
+    assert not np.asarray(out[sum(sizes):], np.float32).any()
+    assert not np.asarray(d_lhs[sum(sizes):], np.float32).any()
+    # Independent torch loop.
+    t_out = ragged_dot_torch(torch.from_numpy(np.array(lhs, np.float32)),
+                             torch.from_numpy(np.array(rhs, np.float32)),
+                             torch.tensor(sizes))
+    _close(out, t_out.numpy(), dtype, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "m,k,n,sizes",
+    [
+        (1, 16, 8, [0, 1, 0]),  # one row, one active group among empties
+        (3, 130, 200, [3]),  # G = 1, M < 8, K and N not multiples of 128
+        (40, 72, 100, [0, 0, 40, 0]),  # every row in one group
+        (50, 64, 256, [7, 0, 0, 20]),  # sum < M: tail rows must be zero
+        (64, 256, 256, [0, 0, 0, 0]),  # nothing to do: all zeros, no DMA
+    ],
+)
+def test_gmm_edge_cases(dtype, m, k, n, sizes):
+    rng = np.random.default_rng(m + k + n)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (m, k), dtype), _rand(rng, (len(sizes), k, n), dtype)
+    out = gmm(lhs, rhs, gs, interpret=True)
+    _close(out, ragged_dot_reference(lhs, rhs, gs), dtype, k)
+    assert not np.asarray(out[sum(sizes):], np.float32).any()
+    # d_lhs path: rhs given as [G, N, K], contracted on its last axis.
+    rhs_t = jnp.swapaxes(rhs, 1, 2)
+    out_t = gmm(lhs, rhs_t, gs, transpose_rhs=True, interpret=True)
+    _close(out_t, out, dtype, k)
+
+
+def test_bf16_inputs_with_f32_output_and_grads():
+    rng = np.random.default_rng(6)
+    gs = jnp.asarray([4, 0, 9], jnp.int32)
+    lhs, rhs = _rand(rng, (16, 40), jnp.bfloat16), _rand(rng, (3, 40, 24), jnp.bfloat16)
+    ct = _rand(rng, (16, 24), jnp.float32)
+    f = lambda a, b: ragged_dot(a, b, gs, preferred_element_type=jnp.float32, interpret=True)
+    fr = lambda a, b: ragged_dot_reference(a, b, gs, preferred_element_type=jnp.float32)
+    out, d_lhs, d_rhs = _fwd_bwd(f, lhs, rhs, ct)
+    r_out, r_lhs, r_rhs = _fwd_bwd(fr, lhs, rhs, ct)
+    assert out.dtype == jnp.float32 and d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+    # bf16 x bf16 products are exact in f32: the f32 output matches tightly.
+    _close(out, r_out, jnp.float32, 40)
+    _close(d_lhs, r_lhs, jnp.bfloat16, 24)
+    _close(d_rhs, r_rhs, jnp.bfloat16, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tgmm_matches_reference_with_empty_groups(dtype):
+    rng = np.random.default_rng(1)
+    m, k, n, sizes = 45, 136, 256, [9, 0, 30, 0, 4]
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, grad = _rand(rng, (m, k), dtype), _rand(rng, (m, n), dtype)
+    # Poison the rows past the sum: they must not leak into any group.
+    lhs = lhs.at[43:].set(jnp.nan)
+    sub = tiling.sublane(dtype)
+    cfg = tiling.TgmmConfig(block_m=2 * sub, block_k=k, block_n=128, chunk_m=sub)
+    out = tgmm(lhs, grad, gs, config=cfg, interpret=True)
+    ref = tgmm_reference(lhs[:43], grad[:43], sizes)
+    _close(out, ref, dtype, m)
+    assert not np.asarray(out[1], np.float32).any() and not np.asarray(out[3], np.float32).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_offset_shards_sum_to_full_result(dtype):
+    rng = np.random.default_rng(2)
+    m, k, n, sizes = 40, 48, 136, [6, 0, 11, 9, 0, 10]
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (m, k), dtype), _rand(rng, (6, k, n), dtype)
+    ct = _rand(rng, (m, n), dtype)
+    full = _fwd_bwd(lambda a, b: ragged_dot(a, b, gs, interpret=True), lhs, rhs, ct)
+    parts = []
+    for off in (0, 3):
+        # A traced offset, as under shard_map.
+        f = jax.jit(lambda a, b, o: ragged_dot(a, b, gs, group_offset=o, interpret=True))
+        parts.append(_fwd_bwd(lambda a, b, o=off: f(a, b, jnp.int32(o)), lhs, rhs[off:off + 3], ct))
+        _close(parts[-1][0], ragged_dot_reference(lhs, rhs[off:off + 3], gs, off), dtype, k)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    _close(f32(parts[0][0]) + f32(parts[1][0]), full[0], dtype, k)
+    _close(f32(parts[0][1]) + f32(parts[1][1]), full[1], dtype, n)
+    _close(jnp.concatenate([parts[0][2], parts[1][2]]), full[2], dtype, m)
+
+
+# --- structural performance properties -----------------------------------
+
+
+def test_kernel_fetches_each_active_expert_once_and_never_an_empty_one():
+    """The kernel's own DMA log (not a model of it) over 2 N slabs x 3 row tiles."""
+    rng = np.random.default_rng(3)
+    m, k, n = 90, 64, 256
+    sizes = [0, 13, 0, 0, 40, 1, 0, 20, 0, 0, 0, 6]  # 5 active of 12
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (m, k), jnp.float32), _rand(rng, (12, k, n), jnp.float32)
+    cfg = tiling.GmmConfig(block_m=32, block_n=128, chunk_m=16)
+    out, log = gmm(lhs, rhs, gs, config=cfg, interpret=True, _trace=True)
+    _close(out, ragged_dot_reference(lhs, rhs, gs), jnp.float32, k)
+    log = np.asarray(log)
+    issued = [divmod(int(x), 12) for x in log[1:1 + log[0]]]
+    active = [j for j, s in enumerate(sizes) if s]
+    assert issued == [(nb, j) for nb in range(2) for j in active]
+    sched = gmm_dma_schedule(sizes, m, k, n, 12, cfg, lhs_bytes=4, rhs_bytes=4, out_bytes=4)
+    assert sched["weight_dmas"] == issued
+    assert sched["grid_steps"] == 2 * 3  # N slabs x row tiles, not x groups
+
+
+def test_shard_fetches_only_its_own_active_experts():
+    rng = np.random.default_rng(4)
+    sizes = [5, 0, 7, 3, 0, 9]
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (30, 32), jnp.float32), _rand(rng, (3, 32, 16), jnp.float32)
+    cfg = tiling.GmmConfig(block_m=8, block_n=16, chunk_m=8)
+    out, log = gmm(lhs, rhs, gs, group_offset=3, config=cfg, interpret=True, _trace=True)
+    _close(out, ragged_dot_reference(lhs, rhs, gs, 3), jnp.float32, 32)
+    log = np.asarray(log)
+    assert [int(x) for x in log[1:1 + log[0]]] == [0, 2]  # global groups 3 and 5
+    # This shard's rows are [12, 24): lhs tiles 1 and 2 only; tile 0 and the
+    # tail tile past sum(group_sizes) = 24 are never fetched.
+    sched = gmm_dma_schedule(sizes, 30, 32, 16, 3, cfg, group_offset=3,
+                             lhs_bytes=4, rhs_bytes=4, out_bytes=4)
+    assert sched["lhs_bytes"] == 16 * 32 * 4
+    assert sched["weight_dmas"] == [(0, 0), (0, 2)]
+
+
+def test_dma_discipline_under_tpu_interpreter():
+    """DMAs complete only when waited on; a missing wait would read stale weights."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
+    from jax.experimental.pallas import tpu as pltpu
+
+    rng = np.random.default_rng(5)
+    sizes = [9, 0, 20, 3]
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (40, 24), jnp.float32), _rand(rng, (4, 24, 256), jnp.float32)
+    params = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
+    cfg = tiling.GmmConfig(block_m=16, block_n=128, chunk_m=8)
+    out = gmm(lhs, rhs, gs, config=cfg, interpret=params)
+    _close(out, ragged_dot_reference(lhs, rhs, gs), jnp.float32, 24)
+    assert not tpu_interp.races.races_found
+    d = tgmm(lhs, out, gs, config=tiling.TgmmConfig(16, 24, 128, 8), interpret=params)
+    _close(d, tgmm_reference(lhs, out, sizes), jnp.float32, 40)
+    assert not tpu_interp.races.races_found
+
+
+QWEN3 = {"gate_up": (2048, 1536), "down": (768, 2048)}
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
+    """Perf model on the kernel's grid walk: bytes <= 1.05x min, time <= 1.15x roofline."""
+    gen = tiling.GENERATIONS[generation]
+    rng = np.random.default_rng(tokens)
+    ids = np.stack([rng.choice(128, 8, replace=False) for _ in range(tokens)])
+    sizes = np.bincount(ids.ravel(), minlength=128)
+    m = tokens * 8
+    for k, n in QWEN3.values():
+        cfg = tiling.gmm_config(m, k, n, 128, jnp.bfloat16, generation=generation)
+        s = gmm_dma_schedule(sizes, m, k, n, 128, cfg)
+        active = int((sizes > 0).sum())
+        assert sorted({j for _, j in s["weight_dmas"]}) == list(np.flatnonzero(sizes))
+        min_bytes = active * k * n * 2 + m * k * 2 + m * n * 2
+        moved = s["rhs_bytes"] + s["lhs_bytes"] + s["out_bytes"]
+        assert moved <= 1.05 * min_bytes
+        roofline = max(min_bytes / gen.hbm_bytes_per_s, 2 * m * k * n / gen.peak_flops)
+        t = (max(moved / gen.hbm_bytes_per_s, s["mxu_flops"] / gen.peak_flops)
+             + s["grid_steps"] * tiling.STEP_OVERHEAD_S)
+        assert t <= 1.15 * roofline, (t, roofline, s["grid_steps"])
+        # MXU rows: each group's rows rounded to the bf16 sublane tile (16),
+        # plus at most one extra tile where a group starts mid-tile.
+        assert s["mxu_rows"] <= sum(-(-int(c) // 16) * 16 + 16 for c in sizes if c)
+
+
+# --- bad input -----------------------------------------------------------
+
+
+def _args(**kw):
+    a = dict(lhs=jnp.zeros((8, 16), jnp.bfloat16), rhs=jnp.zeros((4, 16, 32), jnp.bfloat16),
+             group_sizes=jnp.zeros((4,), jnp.int32))
+    a.update(kw)
+    return a
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(lhs=jnp.zeros((8, 16, 1), jnp.bfloat16)), "lhs: expected a 2-D"),
+        (dict(rhs=jnp.zeros((16, 32), jnp.bfloat16)), "rhs: expected a 3-D"),
+        (dict(rhs=jnp.zeros((4, 17, 32), jnp.bfloat16)), "rhs: expected shape .*K=16"),
+        (dict(rhs=jnp.zeros((4, 16, 32), jnp.float32)), "rhs.dtype: expected the dtype of lhs"),
+        (dict(lhs=jnp.zeros((8, 16), jnp.float16), rhs=jnp.zeros((4, 16, 32), jnp.float16)),
+         "lhs.dtype: expected bfloat16 or float32"),
+        (dict(group_sizes=jnp.zeros((3,), jnp.int32)), "group_sizes: expected length >= "),
+        (dict(group_sizes=jnp.zeros((4, 1), jnp.int32)), "group_sizes: expected a 1-D"),
+        (dict(group_sizes=jnp.zeros((4,), jnp.float32)), "group_sizes: expected dtype int32"),
+        (dict(group_sizes=jnp.zeros((6,), jnp.int32), group_offset=3), "group_offset: expected 0 <="),
+        (dict(group_offset=1.5), "group_offset: expected an integer"),
+        (dict(preferred_element_type=jnp.int8), "preferred_element_type: expected"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kw, match):
+    a = _args(**kw)
+    with pytest.raises(ValueError, match=match):
+        ragged_dot(a.pop("lhs"), a.pop("rhs"), a.pop("group_sizes"), **a)
+
+
+def test_bad_config_raises_value_error():
+    a = _args()
+    with pytest.raises(ValueError, match="config.block_n"):
+        gmm(a["lhs"], a["rhs"], a["group_sizes"], config=tiling.GmmConfig(16, 24, 16))
+    with pytest.raises(ValueError, match="config: expected"):
+        ragged_dot(a["lhs"], a["rhs"], a["group_sizes"], config=42)
+
+
+def test_group_sizes_value_checks():
+    checks.check_group_sizes_values(np.array([1, 0, 3]), 4)
+    with pytest.raises(ValueError, match="non-negative.*-1 at index 1"):
+        checks.check_group_sizes_values(np.array([2, -1, 3]), 8)
+    with pytest.raises(ValueError, match=r"sum\(group_sizes\) <= lhs.shape\[0\] = 4, got 5"):
+        checks.check_group_sizes_values(np.array([2, 3]), 4)
+
+
+def test_shape_that_cannot_fit_vmem_names_need_and_budget():
+    with pytest.raises(ValueError, match=r"need [\d.]+ MiB, budget is 44.0 MiB"):
+        tiling.gmm_config(4096, 1 << 20, 1024, 8, jnp.bfloat16, generation="tpu7x")
+    with pytest.raises(ValueError, match="generation: expected one of"):
+        tiling.gmm_config(8, 128, 128, 8, jnp.bfloat16, generation="v9")

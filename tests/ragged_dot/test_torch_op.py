@@ -1,0 +1,118 @@
+"""ragged-dot-tpu's torch ops (ragged_dot, grouped_mm) vs an independent torch reference."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import ragged_dot_tpu
+from ragged_dot_tpu.reference_torch import ragged_dot_torch
+from torch_bindings import cpu_impl
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+
+@st.composite
+def problems(draw):
+    g = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.integers(0, 9), min_size=g, max_size=g))
+    m = sum(sizes) + draw(st.integers(0, 5))  # rows past the sum must come out zero
+    m = max(m, 1)
+    k = draw(st.sampled_from([8, 40, 128]))
+    n = draw(st.sampled_from([16, 72, 128]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    transpose = draw(st.booleans())
+    return sizes, m, k, n, dtype, transpose, draw(st.integers(0, 99))
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@given(problem=problems())
+def test_ragged_dot_and_grads_match_torch(impl, problem):
+    sizes, m, k, n, dtype, transpose, seed = problem
+    gen = torch.Generator().manual_seed(seed)
+    lhs = torch.randn(m, k, generator=gen).to(dtype).requires_grad_()
+    rhs_kn = torch.randn(len(sizes), k, n, generator=gen).to(dtype)
+    rhs = (rhs_kn.transpose(1, 2).contiguous() if transpose else rhs_kn).requires_grad_()
+    gs = torch.tensor(sizes, dtype=torch.int32)
+    dy = torch.randn(m, n, generator=gen).to(dtype)
+    with cpu_impl(impl):
+        out = ragged_dot_tpu.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose)
+        d_lhs, d_rhs = torch.autograd.grad(out, (lhs, rhs), dy)
+    lhs32 = lhs.detach().float().requires_grad_()
+    rhs32 = rhs_kn.float().requires_grad_()
+    ref = ragged_dot_torch(lhs32, rhs32, gs)
+    if ref.requires_grad:
+        r_lhs, r_rhs = torch.autograd.grad(ref, (lhs32, rhs32), dy.float(), allow_unused=True)
+    else:  # no row in any group: nothing depends on the inputs
+        r_lhs = r_rhs = None
+    r_lhs = torch.zeros_like(lhs32) if r_lhs is None else r_lhs
+    r_rhs = torch.zeros_like(rhs32) if r_rhs is None else r_rhs
+    if transpose:
+        r_rhs = r_rhs.transpose(1, 2)
+    tol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    assert torch.all(out[sum(sizes):] == 0)
+    torch.testing.assert_close(d_lhs.float(), r_lhs, **tol)
+    torch.testing.assert_close(d_rhs.float(), r_rhs, **tol)
+
+
+def test_group_offset_shards_sum_to_full_result():
+    gen = torch.Generator().manual_seed(0)
+    lhs, rhs = torch.randn(20, 32, generator=gen), torch.randn(4, 32, 24, generator=gen)
+    gs = torch.tensor([5, 0, 9, 4], dtype=torch.int32)
+    full = ragged_dot_tpu.ragged_dot(lhs, rhs, gs)
+    a = ragged_dot_tpu.ragged_dot(lhs, rhs[:2], gs, group_offset=0)
+    b = ragged_dot_tpu.ragged_dot(lhs, rhs[2:], gs, group_offset=2)
+    torch.testing.assert_close(a + b, full)
+    assert torch.all(a[5:] == 0) and torch.all(b[:5] == 0)
+
+
+def test_grouped_mm_convention_and_out_dtype():
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(12, 16, generator=gen).bfloat16(), torch.randn(3, 16, 8, generator=gen).bfloat16()
+    offs = torch.tensor([4, 4, 12], dtype=torch.int32)
+    out = ragged_dot_tpu.grouped_mm(x, w, offs)
+    ref = ragged_dot_torch(x, w, torch.tensor([4, 0, 8]))
+    torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=2e-2)
+    f32 = ragged_dot_tpu.ragged_dot(x, w, torch.tensor([4, 0, 8]), out_dtype=torch.float32)
+    assert f32.dtype == torch.float32
+
+
+def test_torch_compile_fullgraph():
+    lhs, rhs = torch.randn(10, 16, requires_grad=True), torch.randn(2, 16, 8)
+    gs = torch.tensor([3, 7], dtype=torch.int32)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(a, b, g):
+        return ragged_dot_tpu.ragged_dot(a, b, g).sum()
+
+    f(lhs, rhs, gs).backward()
+    torch.testing.assert_close(lhs.grad[:3], rhs[0].sum(-1).expand(3, 16))
+
+
+BAD = [
+    (lambda l, r, g: (l, r, g[:1]), r"group_sizes: expected length >= rhs.shape\[0\] = 2"),
+    (lambda l, r, g: (l, r, g.float()), r"group_sizes: expected dtype in \(int32, int64\)"),
+    (lambda l, r, g: (l, r, torch.tensor([-1, 3], dtype=torch.int32)), r"group_sizes: expected non-negative"),
+    (lambda l, r, g: (l, r, torch.tensor([5, 9], dtype=torch.int32)), r"group_sizes: expected sum\(group_sizes\) <= lhs.shape\[0\] = 8"),
+    (lambda l, r, g: (l, r[:, :5], g), r"rhs: expected \[G, K, N\] with K=16"),
+    (lambda l, r, g: (l, r.bfloat16(), g), r"rhs: expected dtype torch.float32 \(same as lhs\)"),
+    (lambda l, r, g: (l.half(), r.half(), g), r"lhs: expected dtype in \(bfloat16, float32\)"),
+    (lambda l, r, g: (l, r.to("meta"), g), r"rhs: expected a tensor on cpu \(same device as lhs\)"),
+    (lambda l, r, g: (l[0], r, g), r"lhs: expected 2 dimensions"),
+]
+
+
+@pytest.mark.parametrize("mutate, match", BAD)
+def test_bad_inputs_raise_clear_errors(mutate, match):
+    lhs, rhs, gs = torch.randn(8, 16), torch.randn(2, 16, 4), torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ragged_dot_tpu.ragged_dot(*mutate(lhs, rhs, gs))
+
+
+def test_bad_group_offset_and_offs():
+    lhs, rhs = torch.randn(8, 16), torch.randn(2, 16, 4)
+    with pytest.raises(ValueError, match=r"group_offset: expected 0 <= group_offset <= 1"):
+        ragged_dot_tpu.ragged_dot(lhs, rhs, torch.tensor([3, 5, 0], dtype=torch.int32), group_offset=2)
+    with pytest.raises(ValueError, match=r"offs: expected length 2"):
+        ragged_dot_tpu.grouped_mm(lhs, rhs, torch.tensor([8], dtype=torch.int32))
