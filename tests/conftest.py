@@ -20,3 +20,23 @@ from hypothesis import settings  # noqa: E402
 # Interpret mode is slow: few, deterministic examples, no deadline.
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=12, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def published(tmp_path_factory):
+    """Every Hub kernel built once by publish.py: {hub name: repo dir}."""
+    import subprocess
+    import tomllib
+
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)],
+                   check=True, capture_output=True)
+    lib = tomllib.loads((ROOT / "build.toml").read_text())["library"]
+    repos = {}
+    for folder in lib["kernels"]:
+        name = tomllib.loads((ROOT / "kernels" / folder / "build.toml").read_text())["general"]["name"]
+        repos[name] = out / name
+    return repos
