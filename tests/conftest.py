@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIRS = sorted(p for p in (ROOT / "kernels").iterdir() if p.is_dir())
 # Append (not prepend) the repo root, so that `import kernels` keeps meaning
 # Hugging Face's library; each kernel folder holds its package (e.g. rmsnorm_tpu).
-for p in [*KERNEL_DIRS, ROOT]:
+# tests/ itself holds shared helpers (gate.py); test modules are imported by
+# path (--import-mode=importlib), so same-named files in kernel folders coexist.
+for p in [*KERNEL_DIRS, ROOT, ROOT / "tests"]:
     if str(p) not in sys.path:
         sys.path.append(str(p))
 

@@ -65,13 +65,14 @@ class JaxOp:
         self._lock = threading.Lock()
 
         ns_ops = getattr(torch.ops, library.namespace)
-        if not hasattr(ns_ops, name):
+        # False when the identical build (same source hash) was already loaded in
+        # this process: its registrations compute exactly what ours would.
+        self.registered_here = not hasattr(ns_ops, name)
+        if self.registered_here:
             library.lib.define(f"{name}{schema}")
             library.lib.impl(name, self._cpu_impl, "CPU")
             library.lib.impl(name, self._tpu_impl, "PrivateUse1")
             torch.library.register_fake(self.qualname, self._fake_impl, lib=library.lib)
-        # else: the identical build (same source hash) was already loaded in this
-        # process; its registrations compute exactly what ours would.
         self.op = getattr(ns_ops, name).default
 
     def __call__(self, *args):
@@ -179,6 +180,8 @@ class JaxOp:
         return fn
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
+        if not self.registered_here:
+            return
         torch.library.register_autograd(
             self.qualname, backward, setup_context=setup_context, lib=self.library.lib
         )

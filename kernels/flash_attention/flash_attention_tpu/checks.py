@@ -1,0 +1,162 @@
+"""Input validation for every flash attention entry point (one place)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Normalised shape facts of one call."""
+
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    head_dim_v: int
+    left: int  # -1: unbounded
+    right: int  # -1: unbounded (causal is kept separately)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _shape(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name}: expected an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def _window(window_size):
+    if window_size is None:
+        return -1, -1
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"window_size: expected a pair (left, right) of ints, -1 meaning unbounded; "
+            f"got {window_size!r}"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window_size: expected values >= -1 (-1 = unbounded), got {(left, right)}"
+        )
+    return left, right
+
+
+def _int_array(x, name, shape):
+    got = _shape(x, name)
+    if got != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {got}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}: expected an integer dtype, got {x.dtype}")
+
+
+def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap=None,
+                 softmax_scale=None, q_segment_ids=None, kv_segment_ids=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                 max_seqlen_k=None, dropout_p=0.0) -> Problem:
+    """Validates all arguments; raises ValueError naming the argument.
+
+    Dense layout: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv].
+    Varlen layout: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv].
+    """
+    if dropout_p:
+        raise NotImplementedError("dropout_p: dropout is not supported (expected 0.0)")
+    rank = 3 if varlen else 4
+    shapes = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        s = _shape(x, name)
+        if len(s) != rank:
+            layout = "[total, heads, head_dim]" if varlen else "[batch, heads, seq, head_dim]"
+            raise ValueError(f"{name}: expected a rank-{rank} array {layout}, got shape {s}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype}"
+            )
+        shapes[name] = s
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    if varlen:
+        (tq, hq, d), (tk, hkv, dk), (tv, hv, dv) = shapes["q"], shapes["k"], shapes["v"]
+        b, sq, skv = 1, tq, tk
+        if tv != tk:
+            raise ValueError(f"v: expected {tk} tokens like k, got {tv}")
+    else:
+        (b, hq, sq, d), (bk, hkv, skv, dk), (bv, hv, sv, dv) = (
+            shapes["q"], shapes["k"], shapes["v"])
+        if bk != b or bv != b:
+            raise ValueError(f"k, v: expected batch {b} like q, got k {bk}, v {bv}")
+        if sv != skv:
+            raise ValueError(f"v: expected sequence length {skv} like k, got {sv}")
+    if hv != hkv:
+        raise ValueError(f"v: expected {hkv} heads like k, got {hv}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"k: expected a number of kv heads dividing the {hq} query heads, got {hkv}"
+        )
+    if dk != d:
+        raise ValueError(f"k: expected head_dim {d} like q, got {dk}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
+    if dv not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"v: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {dv}")
+    left, right = _window(window_size)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
+        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a float, got {softmax_scale!r}")
+    if sinks is not None:
+        s = _shape(sinks, "sinks")
+        if s != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {s}")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks: expected a floating dtype, got {sinks.dtype}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids, kv_segment_ids: expected both or neither")
+    if q_segment_ids is not None:
+        if varlen:
+            raise ValueError("q_segment_ids: not accepted by the varlen entry (use cu_seqlens)")
+        _int_array(q_segment_ids, "q_segment_ids", (b, sq))
+        _int_array(kv_segment_ids, "kv_segment_ids", (b, skv))
+    if varlen:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu is None:
+                raise ValueError(f"{name}: expected an int32 array [num_seqs + 1], got None")
+            s = _shape(cu, name)
+            if len(s) != 1 or s[0] < 2:
+                raise ValueError(f"{name}: expected shape [num_seqs + 1] with num_seqs >= 1, got {s}")
+            if not jnp.issubdtype(cu.dtype, jnp.integer):
+                raise ValueError(f"{name}: expected an integer dtype, got {cu.dtype}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(
+                f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} like cu_seqlens_q, "
+                f"got {tuple(cu_seqlens_k.shape)}"
+            )
+        for name, m, total in (("max_seqlen_q", max_seqlen_q, sq), ("max_seqlen_k", max_seqlen_k, skv)):
+            if not isinstance(m, (int, np.integer)) or m < 0:
+                raise ValueError(f"{name}: expected a static int >= 0, got {m!r}")
+            if m > total and total > 0:
+                raise ValueError(f"{name}: expected at most the {total} packed tokens, got {m}")
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, sq), ("cu_seqlens_k", cu_seqlens_k, skv)):
+            try:
+                c = np.asarray(cu)  # only possible when concrete (not traced)
+            except Exception:  # noqa: BLE001 - traced: checked by shape only
+                continue
+            if c[0] != 0 or c[-1] != total or np.any(np.diff(c) < 0):
+                raise ValueError(
+                    f"{name}: expected nondecreasing offsets from 0 to {total}, got {c.tolist()}"
+                )
+    return Problem(b, hq, hkv, sq, skv, d, dv, left, right)

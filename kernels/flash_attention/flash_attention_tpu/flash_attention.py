@@ -1,0 +1,897 @@
+"""Flash attention forward and backward for TPU in Pallas, with custom_vjp.
+
+Layout. The entry takes q [B, Hq, Sq, D] and k, v [B, Hkv, Skv, D|Dv]. The
+G = Hq / Hkv query heads sharing a K/V head are stacked into the matmul rows
+of one block, so each K/V block is read from HBM once per group, never
+repeated in memory:
+
+* prefill layout (Sq >= 128): q is viewed (free reshape) as
+  [B, Hkv, G, Sq, D]; a block (G, block_q, D) becomes G * block_q rows
+  ordered (head, position).
+* decode layout (Sq < 128): q is transposed (cheap, q is small) to
+  [B, Hkv, 1, Sq * G, D]; rows are ordered (position, head) so a single
+  decode token still fills G rows.
+
+Grid. (batch, kv head, step) where steps walk a compact scalar-prefetched
+schedule of visible (q block, kv block) pairs (see block_schedule.py): the
+forward and dQ kernels walk it q-major, the dK/dV kernel kv-major. Hidden
+pairs cost no grid step. Pairs that are fully visible skip the elementwise
+mask; the rest (diagonal, window edges, sequence tails, segments) apply it,
+and in dense calls are cut into sub-tiles of which only those holding a
+visible entry run (so the diagonal's hidden triangle mostly costs nothing).
+The K/V block index of consecutive steps in a q row is what changes, so K/V
+blocks stream while the q block and the accumulators stay resident.
+
+Numerics. Logits and the online softmax are f32; p is cast to the value
+dtype for the PV matmul (f32 accumulate). The forward saves the per-row
+logsumexp compactly as [B, Hkv, G, Sq] f32 (one float per query row).
+Rows that see no key produce output 0, logsumexp +inf, and zero gradients.
+
+Sequence tails are masked in-kernel (no padding copies): edge blocks hold
+unspecified data past the array end, so those rows of K/V (or Q/dO in the
+dK/dV kernel) are zeroed before they can reach a matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import block_schedule as bsched
+from . import checks
+from . import tiling
+
+NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN
+NT_DIMS = (((1,), (1,)), ((), ()))
+NN_DIMS = (((1,), (0,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+    """Static description of one kernel launch (hashable)."""
+
+    geom: tiling.Geometry
+    group: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    softcap: float | None
+    causal: bool
+    left: int  # bsched.UNBOUNDED when unbounded
+    right: int
+    q_offset: int  # dense: Skv - Sq (bottom-right alignment)
+    has_qpos: bool  # per-row query positions come from an array
+    has_segments: bool
+    has_sinks: bool
+    vmem_limit: int
+    sub: tuple[int, int] | None  # (rows, keys) sub-tile of masked pairs; None: whole
+
+    @property
+    def heads_in_block(self) -> int:
+        return 1 if self.geom.seq_major else self.group
+
+
+# ---------------------------------------------------------------------------
+# Small in-kernel helpers.
+
+
+def _row_to_col(x):
+    """(1, n) -> (n, 1) through a 32-bit transpose (XLU)."""
+    n = x.shape[1]
+    return jnp.transpose(jnp.broadcast_to(x, (8, n)))[:, 0:1]
+
+
+def _col_to_row(x):
+    n = x.shape[0]
+    return jnp.transpose(jnp.broadcast_to(x, (n, 128)))[0:1, :]
+
+
+def _flat_rows(x):
+    """(Gb, br) per-head rows -> (1, Gb * br) in matmul-row order."""
+    if x.shape[0] == 1:
+        return x
+    return jnp.concatenate([x[g:g + 1, :] for g in range(x.shape[0])], axis=1)
+
+
+def _split_rows(x, gb):
+    """(1, Gb * br) -> (Gb, br)."""
+    if gb == 1:
+        return x
+    br = x.shape[1] // gb
+    return jnp.concatenate([x[:, g * br:(g + 1) * br] for g in range(gb)], axis=0)
+
+
+def _tile_col(x, gb):
+    return x if gb == 1 else jnp.concatenate([x] * gb, axis=0)
+
+
+def _tile_row(x, gb):
+    return x if gb == 1 else jnp.concatenate([x] * gb, axis=1)
+
+
+def _decode(sched_ref, p):
+    word = sched_ref[p]
+    return (word >> bsched.OUTER_SHIFT, (word >> bsched.INNER_SHIFT) &
+            (bsched.MAX_INNER_BLOCKS - 1), word & 15)
+
+
+def _flag(flags, bit):
+    return (flags & bit) != 0
+
+
+def _q_side(prm, i, qpos_ref, qseg_ref, as_col, r0, rc):
+    """Query-side (position, valid, segment) vectors of rows r0:r0+rc of each head.
+
+    Returned in matmul-row order: (Gb * rc, 1) columns for the row-oriented
+    kernels (as_col), else (1, Gb * rc) rows.
+    """
+    g = prm.geom
+    gb = prm.heads_in_block
+    full = rc == g.block_pos
+    if as_col:
+        local = lax.broadcasted_iota(jnp.int32, (rc, 1), 0)
+    else:
+        local = lax.broadcasted_iota(jnp.int32, (1, rc), 1)
+    row = i * g.block_pos + r0 + local
+    valid = row < g.q_rows_total
+    if prm.has_qpos:
+        pos = qpos_ref[...] if full else qpos_ref[:, r0:r0 + rc]  # (1, rc)
+        pos = _row_to_col(pos) if as_col else pos
+    else:
+        pos = row + prm.q_offset
+    seg = None
+    if prm.has_segments:
+        seg = qseg_ref[...] if full else qseg_ref[:, r0:r0 + rc]
+        seg = _row_to_col(seg) if as_col else seg
+    tile = (lambda x: _tile_col(x, gb)) if as_col else (lambda x: _tile_row(x, gb))
+    valid = tile(valid.astype(jnp.int32)) != 0
+    return tile(pos), valid, (tile(seg) if seg is not None else None)
+
+
+def _k_side(prm, j, kseg_ref, as_col, k0, ck):
+    """Key index, validity and segment of keys k0:k0+ck of the kv block."""
+    base = j * prm.geom.block_kv + k0
+    if as_col:
+        kidx = base + lax.broadcasted_iota(jnp.int32, (ck, 1), 0)
+    else:
+        kidx = base + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
+    seg = None
+    if prm.has_segments:  # never sub-tiled: whole block
+        seg = kseg_ref[...]  # (1, bkv)
+        seg = _row_to_col(seg) if as_col else seg
+    return kidx, kidx < prm.geom.kv_len, seg
+
+
+def _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg):
+    """Elementwise visibility; operands broadcast to the logits block."""
+    m = jnp.logical_and(qvalid, kvalid)
+    if prm.right < bsched.UNBOUNDED:
+        m = jnp.logical_and(m, kidx <= qpos + prm.right)
+    if prm.left < bsched.UNBOUNDED:
+        m = jnp.logical_and(m, kidx >= qpos - prm.left)
+    if prm.has_segments:
+        m = jnp.logical_and(m, qseg == kseg)
+    return m
+
+
+def _logits(prm, s):
+    """Scaled (and soft-capped) logits; also returns tanh for the backward."""
+    s = s * prm.scale
+    if prm.softcap is None:
+        return s, None
+    t = jnp.tanh(s * (1.0 / prm.softcap))
+    return prm.softcap * t, t
+
+
+def _zero_tail_rows(x, valid_col):
+    return jnp.where(valid_col, x, jnp.zeros_like(x))
+
+
+def _rows(ref, r0, rc):
+    """Rows r0:r0+rc of every head of a (Gb, br, ...) block (static slice)."""
+    return ref[...] if rc == ref.shape[1] else ref[:, r0:r0 + rc]
+
+
+def _set_rows(ref, r0, rc, x):
+    if rc == ref.shape[1]:
+        ref[...] = x
+    else:
+        ref[:, r0:r0 + rc] = x
+
+
+def _keys(ref, k0, ck):
+    """Keys k0:k0+ck (k0 dynamic, a multiple of ck) of a (bkv, d) block."""
+    return ref[...] if ck == ref.shape[0] else ref[pl.ds(k0, ck), :]
+
+
+def _run_pair(prm, i, j, flags, tile):
+    """Dispatches one schedule step to tile(masked, r0, rc, k0, ck).
+
+    Fully visible pairs run one whole-block tile without mask work. Masked
+    pairs of dense calls are cut into sub-tiles and only those that hold a
+    visible entry run (the diagonal's upper triangle, a window's far side
+    and sequence tails cost no MXU work); other masked pairs run whole.
+    """
+    g = prm.geom
+    br, bkv = g.block_pos, g.block_kv
+    compute = _flag(flags, bsched.COMPUTE)
+    masked = _flag(flags, bsched.MASK)
+
+    @pl.when(jnp.logical_and(compute, masked))
+    def _masked():
+        if prm.sub is None:
+            tile(True, 0, br, 0, bkv)
+            return
+        rc, ck = prm.sub
+        for a in range(br // rc):
+            c_lo, c_hi = bsched.chunk_bounds(i, j, a, geom=g, sub=prm.sub, q_offset=prm.q_offset,
+                                             left=prm.left, right=prm.right, xp=jnp)
+
+            def body(c, carry, a=a):
+                tile(True, a * rc, rc, pl.multiple_of(c * ck, ck), ck)
+                return carry
+
+            lax.fori_loop(c_lo, c_hi, body, 0)
+
+    @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
+    def _full():
+        tile(False, 0, br, 0, bkv)
+
+
+# ---------------------------------------------------------------------------
+# Forward kernel: q-major schedule, online softmax.
+
+
+def _fwd_kernel(sched_ref, *refs, prm: KernelParams):
+    refs = list(refs)
+    sinks_ref = refs.pop(0) if prm.has_sinks else None
+    q_ref, k_ref, v_ref = refs[:3]
+    refs = refs[3:]
+    qpos_ref = refs.pop(0) if prm.has_qpos else None
+    qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs  # m, l: (Gb, br, 1); acc: (Gb, br, Dv)
+
+    g = prm.geom
+    gb, rows = prm.heads_in_block, g.rows
+    kv_tail = g.kv_len % g.block_kv != 0
+    h = pl.program_id(1)
+    i, j, flags = _decode(sched_ref, pl.program_id(2))
+
+    @pl.when(_flag(flags, bsched.INIT))
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def tile(masked, r0, rc, k0, ck):
+        n = gb * rc
+        q = _rows(q_ref, r0, rc).reshape(n, prm.head_dim)
+        k = _keys(k_ref, k0, ck)
+        v = _keys(v_ref, k0, ck)
+        if masked:
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, False, k0, ck)
+            if kv_tail:
+                v = _zero_tail_rows(v, _row_to_col(kvalid.astype(jnp.int32)) != 0)
+        s, _ = _logits(prm, lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32))
+        if masked:
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, True, r0, rc)
+            mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
+            s = jnp.where(mask, s, NEG_INF)
+        m_prev = _rows(m_ref, r0, rc).reshape(n, 1)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        if masked:
+            p = jnp.where(mask, p, 0.0)  # rows with nothing visible yet
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * _rows(l_ref, r0, rc).reshape(n, 1) + jnp.sum(p, axis=1, keepdims=True)
+        acc = alpha * _rows(acc_ref, r0, rc).reshape(n, prm.head_dim_v) + lax.dot_general(
+            p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
+        _set_rows(m_ref, r0, rc, m_new.reshape(gb, rc, 1))
+        _set_rows(l_ref, r0, rc, l_new.reshape(gb, rc, 1))
+        _set_rows(acc_ref, r0, rc, acc.reshape(gb, rc, prm.head_dim_v))
+
+    _run_pair(prm, i, j, flags, tile)
+
+    @pl.when(_flag(flags, bsched.FINAL))
+    def _final():
+        m = m_ref[...].reshape(rows, 1)
+        l = l_ref[...].reshape(rows, 1)
+        acc = acc_ref[...].reshape(rows, prm.head_dim_v)
+        if prm.has_sinks:
+            sink = _sink_col(prm, sinks_ref, h, i)
+            m_fin = jnp.maximum(m, sink)
+            keep = jnp.exp(m - m_fin)
+            l = l * keep + jnp.exp(sink - m_fin)
+            acc = acc * keep
+            m = m_fin
+        empty = l == 0.0
+        inv = 1.0 / jnp.where(empty, 1.0, l)
+        o_ref[...] = (acc * inv).reshape(o_ref.shape).astype(o_ref.dtype)
+        lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+        lse_ref[...] = _split_rows(_col_to_row(lse), gb)
+
+
+def _sink_col(prm, sinks_ref, h, i):
+    """(R, 1) sink logit of each matmul row's query head."""
+    g, grp = prm.geom, prm.group
+    if not g.seq_major:
+        br = g.block_pos
+        cols = [jnp.full((br, 1), sinks_ref[h * grp + hg], jnp.float32) for hg in range(grp)]
+        return jnp.concatenate(cols, axis=0) if grp > 1 else cols[0]
+    # Decode layout: global row r holds head r % G (float floor is exact here).
+    r = (i * g.rows + lax.broadcasted_iota(jnp.int32, (g.rows, 1), 0)).astype(jnp.float32)
+    head = r - jnp.floor((r + 0.5) * (1.0 / grp)) * grp
+    out = jnp.zeros((g.rows, 1), jnp.float32)
+    for hg in range(grp):
+        out = jnp.where(head == float(hg), sinks_ref[h * grp + hg], out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# dK/dV kernel: kv-major schedule, logits transposed (keys on sublanes) so
+# the per-query logsumexp and delta are lane-major rows, as stored.
+
+
+def _dkdv_kernel(sched_ref, *refs, prm: KernelParams):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    refs = refs[6:]
+    qpos_ref = refs.pop(0) if prm.has_qpos else None
+    qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
+    dk_ref, dv_ref, dk_acc, dv_acc = refs
+
+    g = prm.geom
+    gb, br = prm.heads_in_block, g.block_pos
+    q_tail = g.q_rows_total % br != 0
+    j, i, flags = _decode(sched_ref, pl.program_id(2))
+
+    @pl.when(_flag(flags, bsched.INIT))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    def tile(masked, r0, rc, k0, ck):
+        n = gb * rc
+        q3 = _rows(q_ref, r0, rc)
+        do3 = _rows(do_ref, r0, rc)
+        lse = _flat_rows(_rows(lse_ref, r0, rc))
+        delta = _flat_rows(_rows(delta_ref, r0, rc))
+        if masked:
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, rc)
+            if q_tail:
+                row = i * br + r0 + lax.broadcasted_iota(jnp.int32, (gb, rc, 1), 1)
+                valid3 = row < g.q_rows_total
+                q3 = _zero_tail_rows(q3, valid3)
+                do3 = _zero_tail_rows(do3, valid3)
+                lse = jnp.where(qvalid, lse, 0.0)
+                delta = jnp.where(qvalid, delta, 0.0)
+        q = q3.reshape(n, prm.head_dim)
+        do = do3.reshape(n, prm.head_dim_v)
+        k = _keys(k_ref, k0, ck)
+        v = _keys(v_ref, k0, ck)
+        s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
+        p = jnp.exp(s - lse)
+        if masked:
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
+            p = jnp.where(mask, p, 0.0)
+        dv = lax.dot_general(p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        dk = lax.dot_general(ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32)
+        if ck == g.block_kv:
+            dv_acc[...] += dv
+            dk_acc[...] += dk
+        else:
+            dv_acc[pl.ds(k0, ck), :] += dv
+            dk_acc[pl.ds(k0, ck), :] += dk
+
+    _run_pair(prm, i, j, flags, tile)
+
+    @pl.when(_flag(flags, bsched.FINAL))
+    def _final():
+        dk_ref[...] = (dk_acc[...] * prm.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# dQ kernel: q-major schedule like the forward.
+
+
+def _dq_kernel(sched_ref, *refs, prm: KernelParams):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    refs = refs[6:]
+    qpos_ref = refs.pop(0) if prm.has_qpos else None
+    qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
+    dq_ref, dq_acc = refs  # dq_acc: (Gb, br, D)
+
+    g = prm.geom
+    gb = prm.heads_in_block
+    kv_tail = g.kv_len % g.block_kv != 0
+    i, j, flags = _decode(sched_ref, pl.program_id(2))
+
+    @pl.when(_flag(flags, bsched.INIT))
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    def tile(masked, r0, rc, k0, ck):
+        n = gb * rc
+        q = _rows(q_ref, r0, rc).reshape(n, prm.head_dim)
+        do = _rows(do_ref, r0, rc).reshape(n, prm.head_dim_v)
+        lse = _row_to_col(_flat_rows(_rows(lse_ref, r0, rc)))
+        delta = _row_to_col(_flat_rows(_rows(delta_ref, r0, rc)))
+        k = _keys(k_ref, k0, ck)
+        v = _keys(v_ref, k0, ck)
+        if masked:
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, False, k0, ck)
+            if kv_tail:
+                kvalid_col = _row_to_col(kvalid.astype(jnp.int32)) != 0
+                k = _zero_tail_rows(k, kvalid_col)
+                v = _zero_tail_rows(v, kvalid_col)
+        s, t = _logits(prm, lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32))
+        p = jnp.exp(s - lse)
+        if masked:
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, True, r0, rc)
+            mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
+            p = jnp.where(mask, p, 0.0)
+        dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        dq = lax.dot_general(ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32)
+        _set_rows(dq_acc, r0, rc, _rows(dq_acc, r0, rc) + dq.reshape(gb, rc, prm.head_dim))
+
+    _run_pair(prm, i, j, flags, tile)
+
+    @pl.when(_flag(flags, bsched.FINAL))
+    def _final():
+        dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# pallas_call builders. Kernel-layout operands:
+#   q5 [B, Hkv, Gb, Sr, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv],
+#   lse/delta [B, Hkv, Gb, Sr] f32, qpos/qseg [Bm, 1, Sr], kseg [Bm, 1, Skv].
+
+
+def _meta_specs(outer_is_q):
+    def q_blk(word):
+        return (word >> bsched.OUTER_SHIFT) if outer_is_q else (
+            (word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1))
+
+    def kv_blk(word):
+        return ((word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1)) if outer_is_q else (
+            word >> bsched.OUTER_SHIFT)
+
+    return q_blk, kv_blk
+
+
+def _common_specs(prm, outer_is_q, batch_meta):
+    """BlockSpecs of q-side and kv-side operands for a (b, h, p) grid."""
+    g = prm.geom
+    gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
+    q_blk, kv_blk = _meta_specs(outer_is_q)
+    q_spec = lambda d: pl.BlockSpec(  # noqa: E731
+        (None, None, gb, br, d), lambda b, h, p, s: (b, h, 0, q_blk(s[p]), 0))
+    kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
+        (None, None, bkv, d), lambda b, h, p, s: (b, h, kv_blk(s[p]), 0))
+    row_spec = pl.BlockSpec((None, None, gb, br), lambda b, h, p, s: (b, h, 0, q_blk(s[p])))
+    mb = (lambda b: b) if batch_meta else (lambda b: 0)
+    qmeta_spec = pl.BlockSpec((None, 1, br), lambda b, h, p, s: (mb(b), 0, q_blk(s[p])))
+    kmeta_spec = pl.BlockSpec((None, 1, bkv), lambda b, h, p, s: (mb(b), 0, kv_blk(s[p])))
+    return q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec
+
+
+def _meta_inputs(prm, aux, qmeta_spec, kmeta_spec):
+    args, specs = [], []
+    if prm.has_qpos:
+        args.append(aux["qpos"])
+        specs.append(qmeta_spec)
+    if prm.has_segments:
+        args += [aux["qseg"], aux["kseg"]]
+        specs += [qmeta_spec, kmeta_spec]
+    return args, specs
+
+
+def _compiler_params(prm):
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=prm.vmem_limit,
+    )
+
+
+def _fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
+    b, hkv = k.shape[0], k.shape[1]
+    g = prm.geom
+    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
+        prm, True, batch_meta)
+    args, specs = [], []
+    if prm.has_sinks:
+        args.append(sinks.astype(jnp.float32))
+        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    args += [q5, k, v]
+    specs += [q_spec(prm.head_dim), kv_spec(prm.head_dim), kv_spec(prm.head_dim_v)]
+    margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
+    args += margs
+    specs += mspecs
+    out_shape = (
+        jax.ShapeDtypeStruct(q5.shape[:4] + (prm.head_dim_v,), q5.dtype),
+        jax.ShapeDtypeStruct(q5.shape[:4], jnp.float32),
+    )
+    out_specs = (q_spec(prm.head_dim_v), row_spec)
+    gb, br = prm.heads_in_block, g.block_pos
+    scratch = [
+        pltpu.VMEM((gb, br, 1), jnp.float32),
+        pltpu.VMEM((gb, br, 1), jnp.float32),
+        pltpu.VMEM((gb, br, prm.head_dim_v), jnp.float32),
+    ]
+    steps = sched.shape[0]
+    itemsize = q5.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=int(b * hkv * steps * 2 * g.rows * g.block_kv * (prm.head_dim + prm.head_dim_v)),
+        transcendentals=int(b * hkv * steps * g.rows * g.block_kv),
+        bytes_accessed=int(itemsize * (q5.size + k.size + v.size + q5.size // prm.head_dim
+                                       * prm.head_dim_v)),
+    )
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, prm=prm),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, hkv, steps),
+            in_specs=specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=_compiler_params(prm),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="flash_attention_fwd",
+    )(sched, *args)
+
+
+def _dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
+    b, hkv = k.shape[0], k.shape[1]
+    g = prm.geom
+    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
+        prm, False, batch_meta)
+    args = [q5, k, v, do5, lse, delta]
+    specs = [q_spec(prm.head_dim), kv_spec(prm.head_dim), kv_spec(prm.head_dim_v),
+             q_spec(prm.head_dim_v), row_spec, row_spec]
+    margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
+    args += margs
+    specs += mspecs
+    out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    out_specs = (kv_spec(prm.head_dim), kv_spec(prm.head_dim_v))
+    scratch = [
+        pltpu.VMEM((g.block_kv, prm.head_dim), jnp.float32),
+        pltpu.VMEM((g.block_kv, prm.head_dim_v), jnp.float32),
+    ]
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, prm=prm),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, hkv, sched.shape[0]),
+            in_specs=specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=_compiler_params(prm),
+        interpret=interpret,
+        name="flash_attention_dkdv",
+    )(sched, *args)
+
+
+def _dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
+    b, hkv = k.shape[0], k.shape[1]
+    g = prm.geom
+    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
+        prm, True, batch_meta)
+    args = [q5, k, v, do5, lse, delta]
+    specs = [q_spec(prm.head_dim), kv_spec(prm.head_dim), kv_spec(prm.head_dim_v),
+             q_spec(prm.head_dim_v), row_spec, row_spec]
+    margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
+    args += margs
+    specs += mspecs
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, prm=prm),
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, hkv, sched.shape[0]),
+            in_specs=specs,
+            out_specs=q_spec(prm.head_dim),
+            scratch_shapes=[pltpu.VMEM((prm.heads_in_block, g.block_pos, prm.head_dim),
+                                       jnp.float32)],
+        ),
+        compiler_params=_compiler_params(prm),
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(sched, *args)
+
+
+# ---------------------------------------------------------------------------
+# custom_vjp core on kernel-layout operands.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    fwd: KernelParams
+    dkdv: KernelParams
+    dq: KernelParams
+    interpret: bool
+    batch_meta: bool  # segment/position arrays have a batch axis (else shared)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_core(st: _Static, q5, k, v, sinks, aux):
+    return _forward(st, q5, k, v, sinks, aux)
+
+
+def _forward(st, q5, k, v, sinks, aux):
+    return _fwd_call(st.fwd, q5, k, v, sinks, aux, aux["sched_fwd"], st.interpret,
+                     st.batch_meta)
+
+
+def _core_fwd(st, q5, k, v, sinks, aux):
+    o5, lse = _forward(st, q5, k, v, sinks, aux)
+    # Residuals: inputs, output and the compact f32 logsumexp (one per row).
+    return (o5, lse), (q5, k, v, sinks, aux, o5, lse)
+
+
+def _core_bwd(st, res, cts):
+    q5, k, v, sinks, aux, o5, lse = res
+    do5, dlse = cts
+    # d(lse)/d(logits) = p, so an lse cotangent folds into delta.
+    delta = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    do5 = do5.astype(q5.dtype)
+    dk, dv = _dkdv_call(st.dkdv, q5, k, v, do5, lse, delta, aux, aux["sched_dkdv"], st.interpret,
+                        st.batch_meta)
+    dq5 = _dq_call(st.dq, q5, k, v, do5, lse, delta, aux, aux["sched_dq"], st.interpret, st.batch_meta)
+    dsinks = None
+    if sinks is not None:
+        dsinks = _sink_grad(st.fwd, sinks, lse, delta).astype(sinks.dtype)
+    aux_ct = jax.tree_util.tree_map(lambda _: None, aux)
+    return dq5, dk, dv, dsinks, aux_ct
+
+
+def _sink_grad(prm, sinks, lse, delta):
+    """d sink_h = -sum over rows of head h of p_sink * delta (sink value is 0)."""
+    b, hkv, gb, sr = lse.shape
+    grp = prm.group
+    if prm.geom.seq_major:
+        lse = lse.reshape(b, hkv, sr // grp, grp).transpose(0, 1, 3, 2)
+        delta = delta.reshape(b, hkv, sr // grp, grp).transpose(0, 1, 3, 2)
+    sink = sinks.astype(jnp.float32).reshape(1, hkv, grp, 1)
+    p_sink = jnp.exp(sink - lse)  # lse is finite whenever a sink exists
+    return -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(hkv * grp)
+
+
+_attention_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ---------------------------------------------------------------------------
+# Public entry points.
+
+
+def _band(causal, left, right):
+    left = bsched.UNBOUNDED if left < 0 else left
+    right = bsched.UNBOUNDED if right < 0 else right
+    if causal:
+        right = min(right, 0)
+    return left, right
+
+
+def _params(geom, pb: checks.Problem, *, scale, softcap, causal, q_offset, has_qpos,
+            has_segments, has_sinks, generation, sub_block):
+    left, right = _band(causal, pb.left, pb.right)
+    return KernelParams(
+        geom=geom, group=pb.group, head_dim=pb.head_dim, head_dim_v=pb.head_dim_v,
+        scale=float(scale), softcap=(float(softcap) if softcap else None), causal=causal,
+        left=left, right=right, q_offset=q_offset, has_qpos=has_qpos,
+        has_segments=has_segments, has_sinks=has_sinks,
+        vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
+        sub=bsched.sub_tiles(geom, sub_block, eligible=not (has_qpos or has_segments)),
+    )
+
+
+def _to_kernel_layout_q(x, hkv, seq_major):
+    """[B, Hq, S, D] -> [B, Hkv, Gb, Sr, D]."""
+    b, hq, s, d = x.shape
+    grp = hq // hkv
+    x = x.reshape(b, hkv, grp, s, d)
+    if seq_major:
+        x = x.transpose(0, 1, 3, 2, 4).reshape(b, hkv, 1, s * grp, d)
+    return x
+
+
+def _from_kernel_layout_q(x, hq, seq_major):
+    b, hkv, gb, sr, d = x.shape
+    grp = hq // hkv
+    if seq_major:
+        x = x.reshape(b, hkv, sr // grp, grp, d).transpose(0, 1, 3, 2, 4)
+    return x.reshape(b, hq, -1, d)
+
+
+def _from_kernel_layout_rows(x, hq, seq_major):
+    b, hkv, gb, sr = x.shape
+    grp = hq // hkv
+    if seq_major:
+        x = x.reshape(b, hkv, sr // grp, grp).transpose(0, 1, 3, 2)
+    return x.reshape(b, hq, -1)
+
+
+def _rows_meta(x, grp, seq_major):
+    """Per-position int array [Bm, S] -> per-row kernel array [Bm, 1, Sr]."""
+    if seq_major:
+        x = jnp.repeat(x, grp, axis=1)
+    return x[:, None, :].astype(jnp.int32)
+
+
+def flash_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=None, sinks=None,
+                    softmax_scale=None, q_segment_ids=None, kv_segment_ids=None,
+                    block_sizes: tiling.BlockSizes | None = None, generation=None,
+                    interpret=False, return_lse=False):
+    """Flash attention, q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv].
+
+    causal: bottom-right aligned when Sq != Skv (query i sees keys
+      <= i + Skv - Sq). window_size=(left, right): flash-attn convention,
+      -1 unbounded. softcap: logits -> softcap * tanh(logits / softcap).
+    sinks: [Hq] learned logit per query head added to the softmax
+      denominator (GPT-OSS). q/kv_segment_ids [B, Sq]/[B, Skv] int: no
+      attention across segments.
+    generation: 'v5e' | 'v6e' | 'tpu7x' (default: the attached TPU); picks
+      block sizes and the VMEM limit.
+    Returns out [B, Hq, Sq, Dv] (and logsumexp [B, Hq, Sq] f32 with
+    return_lse; +inf for rows that see no key).
+    """
+    pb = checks.check_inputs(q, k, v, sinks=sinks, window_size=window_size, softcap=softcap,
+                             softmax_scale=softmax_scale, q_segment_ids=q_segment_ids,
+                             kv_segment_ids=kv_segment_ids)
+    generation = tiling.check_generation(generation or tiling.detect_generation())
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
+    out_dtype = q.dtype
+    if pb.q_len == 0 or pb.kv_len == 0:
+        return _empty_result(q, v, pb, sinks, return_lse)
+    q, k, v = _compute_dtype(q, k, v)
+    plan = tiling.plan(generation=generation, q_len=pb.q_len, kv_len=pb.kv_len, group=pb.group,
+                       head_dim=pb.head_dim, head_dim_v=pb.head_dim_v,
+                       itemsize=q.dtype.itemsize, block_sizes=block_sizes)
+    has_seg = q_segment_ids is not None
+    q_offset = pb.kv_len - pb.q_len
+    grp = pb.group
+
+    def prm(geom):
+        return _params(geom, pb, scale=scale, softcap=softcap, causal=causal,
+                       q_offset=q_offset, has_qpos=geom.seq_major, has_segments=has_seg,
+                       has_sinks=sinks is not None, generation=generation,
+                       sub_block=plan.sub_block)
+
+    st = _Static(prm(plan.fwd), prm(plan.dkdv), prm(plan.dq), bool(interpret), has_seg)
+    kw = dict(q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right,
+              segmented=has_seg)
+    (sched_fwd,) = bsched.dense_schedules(plan.fwd, None, **kw)
+    (sched_dq, sched_dkdv) = bsched.dense_schedules(plan.dq, plan.dkdv, **kw)
+    aux = {"sched_fwd": jnp.asarray(sched_fwd), "sched_dkdv": jnp.asarray(sched_dkdv),
+           "sched_dq": jnp.asarray(sched_dq)}
+    seq_major = plan.fwd.seq_major
+    if seq_major:
+        rows = jnp.arange(pb.q_len * grp, dtype=jnp.int32)
+        aux["qpos"] = (rows // grp + q_offset)[None, None, :]
+    if has_seg:
+        aux["qseg"] = _rows_meta(q_segment_ids, grp, seq_major)
+        aux["kseg"] = kv_segment_ids[:, None, :].astype(jnp.int32)
+        if seq_major:
+            aux["qpos"] = jnp.broadcast_to(aux["qpos"], (pb.batch,) + aux["qpos"].shape[1:])
+    q5 = _to_kernel_layout_q(q, pb.num_kv_heads, seq_major)
+    o5, lse = _call_core(st, q5, k, v, sinks, aux)
+    out = _from_kernel_layout_q(o5, pb.num_q_heads, seq_major).astype(out_dtype)
+    if return_lse:
+        return out, _from_kernel_layout_rows(lse, pb.num_q_heads, seq_major)
+    return out
+
+
+def _call_core(st, q5, k, v, sinks, aux):
+    return _attention_core(st, q5, k, v, sinks, aux)
+
+
+def _compute_dtype(q, k, v):
+    # f16 is computed in f32 (Mosaic has no f16 VPU path on all generations);
+    # outputs are cast back by the caller.
+    if q.dtype == jnp.float16:
+        return q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    return q, k, v
+
+
+def _empty_result(q, v, pb, sinks, return_lse, varlen=False):
+    if varlen:
+        out = jnp.zeros((pb.q_len, pb.num_q_heads, pb.head_dim_v), q.dtype)
+        lse_shape = (pb.num_q_heads, pb.q_len)
+    else:
+        out = jnp.zeros((pb.batch, pb.num_q_heads, pb.q_len, pb.head_dim_v), q.dtype)
+        lse_shape = (pb.batch, pb.num_q_heads, pb.q_len)
+    if not return_lse:
+        return out
+    if sinks is None:
+        lse = jnp.full(lse_shape, jnp.inf, jnp.float32)
+    else:
+        s = sinks.astype(jnp.float32)
+        lse = jnp.broadcast_to(s[:, None] if varlen else s[None, :, None], lse_shape)
+    return out, lse
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           causal=False, window_size=(-1, -1), softcap=None, sinks=None,
+                           softmax_scale=None, block_sizes: tiling.BlockSizes | None = None,
+                           generation=None, interpret=False, return_lse=False):
+    """Packed variable-length attention (flash-attn varlen convention).
+
+    q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv];
+    cu_seqlens_q/k int32 [num_seqs + 1] offsets. causal is bottom-right
+    aligned per sequence. Sequences never attend across boundaries; queries
+    of a sequence with no keys output 0. The block schedule is built on
+    device from cu_seqlens with a static bound derived from max_seqlen_k.
+    Returns out [total_q, Hq, Dv] (and logsumexp [Hq, total_q]).
+    """
+    pb = checks.check_inputs(q, k, v, varlen=True, sinks=sinks, window_size=window_size,
+                             softcap=softcap, softmax_scale=softmax_scale,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    generation = tiling.check_generation(generation or tiling.detect_generation())
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
+    out_dtype = q.dtype
+    if pb.q_len == 0 or pb.kv_len == 0:
+        return _empty_result(q, v, pb, sinks, return_lse, varlen=True)
+    q, k, v = _compute_dtype(q, k, v)
+    plan = tiling.plan(generation=generation, q_len=pb.q_len, kv_len=pb.kv_len, group=pb.group,
+                       head_dim=pb.head_dim, head_dim_v=pb.head_dim_v,
+                       itemsize=q.dtype.itemsize, block_sizes=block_sizes)
+    grp, hkv = pb.group, pb.num_kv_heads
+    cu_q = cu_seqlens_q.astype(jnp.int32)
+    cu_k = cu_seqlens_k.astype(jnp.int32)
+    kw = dict(group=grp, causal=causal, left=pb.left, right=pb.right,
+              max_seqlen_k=int(max_seqlen_k))
+    seg, pos, (sched_fwd, _) = bsched.varlen_schedules(
+        cu_q, cu_k, pb.q_len, pb.kv_len, plan.fwd, plan.dkdv, **kw)
+    _, _, (sched_dq, sched_dkdv) = bsched.varlen_schedules(
+        cu_q, cu_k, pb.q_len, pb.kv_len, plan.dq, plan.dkdv, **kw)
+    t_k = jnp.arange(pb.kv_len, dtype=jnp.int32)
+    kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="right") - 1, 0, cu_k.shape[0] - 2)
+    seq_major = plan.fwd.seq_major
+    aux = {
+        "sched_fwd": sched_fwd, "sched_dkdv": sched_dkdv, "sched_dq": sched_dq,
+        "qpos": _rows_meta(pos[None], grp, seq_major),
+        "qseg": _rows_meta(seg[None], grp, seq_major),
+        "kseg": kseg[None, None, :].astype(jnp.int32),
+    }
+
+    def prm(geom):
+        return _params(geom, pb, scale=scale, softcap=softcap, causal=causal, q_offset=0,
+                       has_qpos=True, has_segments=True, has_sinks=sinks is not None,
+                       generation=generation, sub_block=plan.sub_block)
+
+    st = _Static(prm(plan.fwd), prm(plan.dkdv), prm(plan.dq), bool(interpret), False)
+    # [T, H, D] -> [1, H, T, D] kernel layout.
+    q4 = q.transpose(1, 0, 2)[None]
+    k4 = k.transpose(1, 0, 2)[None]
+    v4 = v.transpose(1, 0, 2)[None]
+    q5 = _to_kernel_layout_q(q4, hkv, seq_major)
+    o5, lse = _call_core(st, q5, k4, v4, sinks, aux)
+    out = _from_kernel_layout_q(o5, pb.num_q_heads, seq_major)[0].transpose(1, 0, 2)
+    out = out.astype(out_dtype)
+    if return_lse:
+        return out, _from_kernel_layout_rows(lse, pb.num_q_heads, seq_major)[0]
+    return out

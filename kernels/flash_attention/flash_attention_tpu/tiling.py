@@ -1,0 +1,308 @@
+"""Block sizes for the flash attention kernels, per TPU generation and regime.
+
+Units. `block_q` counts query *positions* per block. The kernel stacks the
+G = Hq / Hkv query heads that share one K/V head into the matmul rows of a
+block, so a forward block holds G * block_q rows (prefill layout) and reads
+its K/V block once for all G heads. `block_kv` counts keys per block.
+
+Why these numbers (project performance model: time = max(bytes/BW,
+flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
+
+* Prefill. Causal grids visit only block pairs that touch the lower
+  triangle; the wasted part is the upper half of each diagonal pair, about
+  T * block / 2 of T^2 / 2 useful entries. 512 x 512 keeps that at
+  (nb + 1) / nb = 1.06 at T = 8k while each step does ~0.5 GFLOP (several
+  times the 0.35 us step cost on v6e). tpu7x has 2.5x the MXU rate of
+  v6e, so it doubles block_kv to amortise the step cost; its 64 MiB VMEM
+  is why block_q does not grow too. v5e has a quarter of v6e's MXU rate,
+  smaller steps already cost far more than 0.35 us, so it keeps 512 x 512
+  and 256-wide query blocks for head_dim 256.
+* Stacked rows are capped (`max_rows`): past ~2k rows the f32 logits block
+  (rows x block_kv) dominates VMEM without reducing HBM traffic further.
+* Decode (q_len < 128). Rows are (position, head) pairs of one K/V head, the
+  kernel is HBM-bound on K/V, and the MXU work is tiny, so K/V blocks are
+  long (few steps, long DMAs).
+* Masked pairs (the diagonal, window edges) are cut into sub_block-sized
+  sub-tiles and only sub-tiles with a visible entry are computed, so a
+  diagonal pair costs about half a block: 256 matches the v6e/tpu7x MXU
+  (256 wide), 128 the v5e MXU.
+* Backward blocks are smaller: the dK/dV kernel keeps four rows x block_kv
+  f32 temporaries live (s, p, dp, ds).
+
+VMEM budgets are the scoped limits the kernels request (below physical
+capacity: v5e/v6e 128 MiB, tpu7x 64 MiB per TensorCore, leaving room for
+Mosaic's internal scratch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GENERATIONS = ("v5e", "v6e", "tpu7x")
+
+MiB = 1 << 20
+VMEM_BUDGET_BYTES = {
+    "v5e": 100 * MiB,
+    "v6e": 100 * MiB,
+    "tpu7x": 48 * MiB,
+}
+
+# Query lengths below this use the decode layout: rows are (position, head)
+# pairs, so a handful of query positions still fill MXU rows.
+DECODE_MAX_Q_LEN = 128
+
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Block sizes of one flash attention call.
+
+    block_q / block_kv: forward kernel (query positions, keys).
+    block_q_bwd / block_kv_bwd: dK/dV and dQ kernels.
+    max_rows: cap on stacked matmul rows (G * block_q) per block.
+    sub_block: sub-tile edge for pairs the mask cuts (diagonal, window
+      edges): only sub-tiles holding a visible entry reach the MXU.
+    """
+
+    block_q: int
+    block_kv: int
+    block_q_bwd: int
+    block_kv_bwd: int
+    max_rows: int = 2048
+    sub_block: int = 256
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "max_rows",
+                     "sub_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name in ("block_kv", "block_kv_bwd", "sub_block"):
+            if getattr(self, name) % LANES:
+                raise ValueError(
+                    f"{name}: expected a multiple of {LANES}, got {getattr(self, name)}"
+                )
+
+
+def _b(q, kv, qb, kvb, rows=2048, sub=256):
+    return BlockSizes(q, kv, qb, kvb, rows, sub)
+
+
+# (generation, regime, head-dim class) -> block sizes. Head-dim class is
+# max(head_dim, head_dim_v) rounded up to 128, 192 or 256.
+BLOCK_TABLE = {
+    ("v5e", "prefill", 128): _b(512, 512, 512, 512, sub=128),
+    ("v5e", "prefill", 192): _b(512, 512, 256, 512, sub=128),
+    ("v5e", "prefill", 256): _b(256, 512, 256, 512, sub=128),
+    ("v5e", "decode", 128): _b(64, 2048, 64, 1024, 1024),
+    ("v5e", "decode", 192): _b(64, 2048, 64, 1024, 1024),
+    ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
+    ("v6e", "prefill", 128): _b(512, 512, 512, 512),
+    ("v6e", "prefill", 192): _b(512, 512, 256, 512),
+    ("v6e", "prefill", 256): _b(512, 512, 256, 512),
+    ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
+    ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
+    ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
+    ("tpu7x", "prefill", 128): _b(512, 1024, 512, 512),
+    ("tpu7x", "prefill", 192): _b(512, 512, 256, 512),
+    ("tpu7x", "prefill", 256): _b(256, 512, 256, 512),
+    ("tpu7x", "decode", 128): _b(64, 4096, 64, 1024, 1024),
+    ("tpu7x", "decode", 192): _b(64, 2048, 64, 1024, 1024),
+    ("tpu7x", "decode", 256): _b(64, 2048, 64, 512, 1024),
+}
+
+
+def head_dim_class(head_dim: int, head_dim_v: int) -> int:
+    d = max(head_dim, head_dim_v)
+    return 128 if d <= 128 else (192 if d <= 192 else 256)
+
+
+def regime(q_len: int) -> str:
+    return "decode" if q_len < DECODE_MAX_Q_LEN else "prefill"
+
+
+def detect_generation() -> str:
+    """The TPU generation of the default device; 'v6e' when not on a TPU.
+
+    Other TPUs map to the table whose VMEM budget they can hold (v5p has
+    64 MiB of VMEM like tpu7x).
+    """
+    import jax
+
+    try:
+        kind = jax.devices()[0].device_kind.lower()
+    except Exception:  # noqa: BLE001 - no backend at all
+        return "v6e"
+    if "tpu" not in kind:
+        return "v6e"
+    if "v5" in kind and ("lite" in kind or "v5e" in kind):
+        return "v5e"
+    if "v6" in kind:
+        return "v6e"
+    if "7" in kind or "v5" in kind:
+        return "tpu7x"
+    return "v6e"
+
+
+def check_generation(generation: str) -> str:
+    if generation not in GENERATIONS:
+        raise ValueError(
+            f"generation: expected one of {list(GENERATIONS)}, got {generation!r}"
+        )
+    return generation
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---------------------------------------------------------------------------
+# Resolved per-call geometry.
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Block geometry of one kernel: rows of a q block and keys of a kv block.
+
+    seq_major: rows are (position, head) pairs of one K/V head (decode
+      layout); otherwise rows are (head, position) with block_pos positions
+      per head (prefill layout, the reshape of a (G, block_pos, D) block).
+    rows: matmul rows per q block. q_rows_total: rows along the kernel's
+      query axis (Sq in prefill layout, Sq * G in decode layout).
+    """
+
+    seq_major: bool
+    block_pos: int  # prefill: positions per q block; decode: rows per q block
+    rows: int
+    block_kv: int
+    q_rows_total: int
+    kv_len: int
+
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.q_rows_total // self.block_pos)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return -(-self.kv_len // self.block_kv)
+
+
+def geometry(block_q: int, block_kv: int, *, q_len: int, kv_len: int, group: int,
+             max_rows: int) -> Geometry:
+    """Clamps configured block sizes to the problem and picks the row layout."""
+    bkv = min(block_kv, _round_up(max(kv_len, 1), LANES))
+    if q_len < DECODE_MAX_Q_LEN:
+        total = q_len * group
+        cap = max(_round_up(min(block_q * group, max_rows), LANES), LANES)
+        rows = total if total <= cap else cap
+        return Geometry(True, rows, rows, bkv, total, kv_len)
+    bq = min(block_q, _round_up(q_len, LANES))
+    bq = max(LANES, (bq // LANES) * LANES)
+    if group * bq > max_rows:
+        bq = max(LANES, (max_rows // group) // LANES * LANES)
+    return Geometry(False, bq, group * bq, bkv, q_len, kv_len)
+
+
+# ---------------------------------------------------------------------------
+# VMEM need (bytes) of each kernel; conservative, checked against the budget.
+
+
+def _lanes(d: int) -> int:
+    return _round_up(d, LANES)
+
+
+def fwd_vmem_bytes(rows, bkv, d, dv, itemsize):
+    d, dv = _lanes(d), _lanes(dv)
+    io = 2 * (rows * d + bkv * d + bkv * dv + rows * dv) * itemsize
+    io += 2 * 8 * _round_up(rows, LANES) * 4  # lse block
+    io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4  # segment/position rows
+    scratch = rows * dv * 4 + 2 * rows * LANES * 4  # acc, m, l
+    temps = rows * bkv * (3 * 4 + itemsize)  # s, p, mask, p cast
+    return io + scratch + temps
+
+
+def dkdv_vmem_bytes(rows, bkv, d, dv, itemsize):
+    d, dv = _lanes(d), _lanes(dv)
+    io = 2 * (rows * d + rows * dv + bkv * d + bkv * dv) * itemsize
+    io += 2 * 2 * 8 * _round_up(rows, LANES) * 4  # lse, delta
+    io += 2 * (bkv * d + bkv * dv) * itemsize  # dk, dv out
+    io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4
+    scratch = bkv * (d + dv) * 4
+    temps = rows * bkv * (5 * 4 + 2 * itemsize)  # s, p, dp, ds, mask + casts
+    return io + scratch + temps
+
+
+def dq_vmem_bytes(rows, bkv, d, dv, itemsize):
+    d, dv = _lanes(d), _lanes(dv)
+    io = 2 * (rows * d + rows * dv + bkv * d + bkv * dv + rows * d) * itemsize
+    io += 2 * 2 * 8 * _round_up(rows, LANES) * 4
+    io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4
+    scratch = rows * d * 4 + 2 * rows * LANES * 4
+    temps = rows * bkv * (5 * 4 + itemsize)
+    return io + scratch + temps
+
+
+def check_vmem(kernel: str, need: int, generation: str) -> None:
+    budget = VMEM_BUDGET_BYTES[generation]
+    if need > budget:
+        raise ValueError(
+            f"block sizes: the {kernel} kernel needs about {need / MiB:.1f} MiB of VMEM "
+            f"but the {generation} budget is {budget / MiB:.1f} MiB; use smaller "
+            f"block_q/block_kv (or max_rows)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Geometries of the three kernels for one call."""
+
+    fwd: Geometry
+    dkdv: Geometry
+    dq: Geometry
+    generation: str
+    sub_block: int
+
+
+def plan(*, generation: str, q_len: int, kv_len: int, group: int, head_dim: int,
+         head_dim_v: int, itemsize: int, block_sizes: BlockSizes | None = None) -> Plan:
+    """Resolves block sizes for one call and checks they fit in VMEM.
+
+    Table entries shrink block_kv (then block_q) until they fit; explicit
+    `block_sizes` that do not fit raise ValueError with the need and budget.
+    """
+    check_generation(generation)
+    explicit = block_sizes is not None
+    if block_sizes is None:
+        block_sizes = BLOCK_TABLE[(generation, regime(q_len), head_dim_class(head_dim, head_dim_v))]
+    bs = block_sizes
+    while True:
+        fwd = geometry(bs.block_q, bs.block_kv, q_len=q_len, kv_len=kv_len, group=group,
+                       max_rows=bs.max_rows)
+        dkdv = geometry(bs.block_q_bwd, bs.block_kv_bwd, q_len=q_len, kv_len=kv_len,
+                        group=group, max_rows=bs.max_rows)
+        dq = geometry(bs.block_q_bwd, bs.block_kv_bwd, q_len=q_len, kv_len=kv_len,
+                      group=group, max_rows=bs.max_rows)
+        needs = (
+            ("forward", fwd_vmem_bytes(fwd.rows, fwd.block_kv, head_dim, head_dim_v, itemsize)),
+            ("dK/dV", dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)),
+            ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
+        )
+        budget = VMEM_BUDGET_BYTES[generation]
+        over = [(k, n) for k, n in needs if n > budget]
+        if not over:
+            return Plan(fwd, dkdv, dq, generation, bs.sub_block)
+        if explicit:
+            check_vmem(*over[0], generation)
+        # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
+        # then stacked rows.
+        if bs.block_kv > 512 or bs.block_kv_bwd > 512:
+            bs = dataclasses.replace(bs, block_kv=max(512, bs.block_kv // 2),
+                                     block_kv_bwd=max(512, bs.block_kv_bwd // 2))
+        elif bs.max_rows > 256:
+            bs = dataclasses.replace(bs, max_rows=bs.max_rows // 2)
+        elif bs.block_kv > 128 or bs.block_kv_bwd > 128:
+            bs = dataclasses.replace(bs, block_kv=max(128, bs.block_kv // 2),
+                                     block_kv_bwd=max(128, bs.block_kv_bwd // 2))
+        else:
+            check_vmem(*over[0], generation)

@@ -1,0 +1,508 @@
+"""Numerics (interpret mode) and structure tests for flash_attention_tpu.
+
+Every numeric test compares the Pallas kernels, run with interpret=True on
+CPU, against reference.attention_reference (plain f32 softmax with an
+explicit dense mask) for the output, logsumexp and all gradients, with the
+tolerances documented in reference.py. Shapes stay small (interpret mode
+runs the grid as a scan); block sizes of 128 make every shape span several
+blocks with ragged tails.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from flash_attention_tpu import block_schedule as bsched  # noqa: E402
+from flash_attention_tpu import checks, tiling  # noqa: E402
+from flash_attention_tpu import flash_attention as fa  # noqa: E402
+from flash_attention_tpu import reference as ref  # noqa: E402
+
+SMALL = tiling.BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
+# 256 blocks cut into 128 sub-tiles: exercises the sub-tiled masked path.
+SUBTILED = tiling.BlockSizes(block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256,
+                             sub_block=128)
+HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, hq, sq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, hkv, skv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, hkv, skv, dv), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, hq, sq, dv), jnp.float32)
+    sinks = jax.random.normal(ks[4], (hq,), jnp.float32) if with_sinks else None
+    return q, k, v, do, sinks
+
+
+def _check_all(kernel_fn, ref_fn, q, k, v, do, sinks, dtype):
+    """Output, logsumexp and grads of q, k, v (and sinks) vs the reference."""
+    argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+
+    # The loss also weights the logsumexp, so its cotangent path is checked.
+    w_lse = 0.1 * jnp.cos(jnp.arange(do.size // do.shape[-1], dtype=jnp.float32))
+
+    def loss(fn):
+        def f(q, k, v, sinks):
+            o, lse = fn(q, k, v, sinks)
+            lse_term = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(-1) * w_lse
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(lse_term), (o, lse)
+        return f
+
+    # One jit per side: eager mode would compile every small op separately.
+    grads, (o, lse) = jax.jit(jax.grad(loss(kernel_fn), argnums=argnums, has_aux=True))(
+        q, k, v, sinks)
+    rgrads, (ro, rlse) = jax.jit(jax.grad(loss(ref_fn), argnums=argnums, has_aux=True))(
+        q, k, v, sinks)
+    assert o.dtype == q.dtype
+    assert not bool(jnp.any(jnp.isnan(o.astype(jnp.float32))))
+    ref.assert_close(o, ro, dtype, "out", "out")
+    ref.assert_close(lse, rlse, dtype, "lse", "lse")
+    for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
+        assert g.shape == rg.shape and g.dtype == (q.dtype if name != "dsinks" else sinks.dtype)
+        ref.assert_close(g, rg, dtype, "grad", name)
+    return o, grads
+
+
+def _dense_case(*, seed=0, b=1, hq=4, hkv=2, sq=136, skv=136, d=64, dv=None, dtype=jnp.float32,
+                causal=False, window=(-1, -1), softcap=None, with_sinks=False, segments=None,
+                block_sizes=SMALL):
+    dv = dv or d
+    q, k, v, do, sinks = _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks)
+    qs, ks = segments if segments is not None else (None, None)
+    kw = dict(causal=causal, window_size=window, softcap=softcap, q_segment_ids=qs,
+              kv_segment_ids=ks)
+
+    def kern(q, k, v, s):
+        return fa.flash_attention(q, k, v, sinks=s, block_sizes=block_sizes, interpret=True,
+                                  return_lse=True, **kw)
+
+    def refn(q, k, v, s):
+        return ref.attention_reference(q, k, v, sinks=s, **kw)
+
+    return _check_all(kern, refn, q, k, v, do, sinks, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Property test over the dense entry.
+
+
+@st.composite
+def dense_cases(draw):
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    hkv = draw(st.sampled_from([1, 2])) if group <= 4 else 1
+    causal = draw(st.booleans())
+    win = draw(st.sampled_from(["none", "left", "both"]))
+    window = (-1, -1)
+    if win == "left":
+        window = (draw(st.integers(0, 80)), -1)
+    elif win == "both":
+        window = (draw(st.integers(0, 80)), draw(st.integers(0, 40)))
+    return dict(
+        seed=draw(st.integers(0, 2**16)),
+        b=draw(st.sampled_from([1, 2])),
+        hq=group * hkv,
+        hkv=hkv,
+        sq=draw(st.integers(1, 300)),
+        skv=draw(st.integers(1, 300)),
+        d=draw(st.sampled_from([64, 128])),
+        dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
+        causal=causal,
+        window=window,
+        softcap=draw(st.sampled_from([None, 5.0])),
+        with_sinks=draw(st.booleans()),
+        block_sizes=draw(st.sampled_from([SMALL, SUBTILED])),
+    )
+
+
+@settings(max_examples=14, **HYP)
+@given(dense_cases())
+def test_dense_matches_reference(case):
+    _dense_case(**case)
+
+
+# ---------------------------------------------------------------------------
+# Targeted cases.
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128),
+                                  (256, 256)])
+def test_head_dims(d, dv):
+    _dense_case(seed=d, hq=2, hkv=1, sq=130, skv=140, d=d, dv=dv, dtype=jnp.bfloat16,
+                causal=True)
+
+
+def test_gqa_8_causal_cross_lengths_f32():
+    # Sq > Skv: bottom-right alignment leaves the first rows with no key.
+    o, grads = _dense_case(hq=8, hkv=1, sq=150, skv=100, causal=True)
+    np.testing.assert_array_equal(np.asarray(o[:, :, :50]), 0.0)
+    np.testing.assert_array_equal(np.asarray(grads[0][:, :, :50]), 0.0)
+
+
+def test_decode_single_token_long_kv():
+    _dense_case(hq=8, hkv=2, sq=1, skv=300, causal=True, dtype=jnp.bfloat16)
+
+
+def test_decode_layout_multiple_row_blocks_with_sinks():
+    # Decode layout, rows = Sq * G = 600 split in 128-row blocks; G = 6 does
+    # not divide the block, so sinks must follow the global row's head.
+    bs = tiling.BlockSizes(block_q=16, block_kv=128, block_q_bwd=16, block_kv_bwd=128)
+    _dense_case(hq=6, hkv=1, sq=100, skv=170, causal=True, window=(60, -1), with_sinks=True,
+                block_sizes=bs)
+
+
+def test_segment_ids_no_cross_attention():
+    b, sq, skv = 2, 140, 150
+    rng = np.random.default_rng(0)
+    qs = jnp.asarray(np.sort(rng.integers(0, 4, (b, sq)), axis=1), jnp.int32)
+    ks = jnp.asarray(np.sort(rng.integers(0, 4, (b, skv)), axis=1), jnp.int32)
+    # Segment 5 exists only in q: those rows must output exactly 0.
+    qs = qs.at[:, -7:].set(5)
+    o, _ = _dense_case(b=b, sq=sq, skv=skv, causal=True, segments=(qs, ks), with_sinks=False)
+    np.testing.assert_array_equal(np.asarray(o[:, :, -7:]), 0.0)
+
+
+def test_f16_inputs():
+    _dense_case(sq=140, skv=140, dtype=jnp.float16, causal=True, softcap=10.0)
+
+
+def test_default_block_sizes_single_block():
+    # Table block sizes (512) exceed these lengths: one ragged block each.
+    _dense_case(hq=4, hkv=1, sq=200, skv=300, causal=True, block_sizes=None)
+
+
+# ---------------------------------------------------------------------------
+# Varlen.
+
+
+@st.composite
+def varlen_cases(draw):
+    n = draw(st.integers(1, 4))
+    lq = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    lk = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    if sum(lq) == 0:
+        lq[0] = 1
+    if sum(lk) == 0:
+        lk[-1] = 1
+    group = draw(st.sampled_from([1, 2, 4]))
+    win = draw(st.sampled_from([(-1, -1), (16, -1), (20, 4)]))
+    return dict(lq=lq, lk=lk, group=group, causal=draw(st.booleans()), window=win,
+                with_sinks=draw(st.booleans()),
+                dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])))
+
+
+def _varlen_case(lq, lk, group=2, causal=True, window=(-1, -1), with_sinks=False,
+                 dtype=jnp.float32, d=64, block_sizes=SMALL):
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    tq, tk, hkv = int(cq[-1]), int(ck[-1]), 2
+    hq = group * hkv
+    q, k, v, do, sinks = _inputs(tq + 7 * tk, 1, hq, hkv, tq, tk, d, d, dtype, with_sinks)
+    q, k, v = (x[0].transpose(1, 0, 2) for x in (q, k, v))
+    do = do[0].transpose(1, 0, 2)
+    kw = dict(causal=causal, window_size=window)
+
+    def kern(q, k, v, s):
+        return fa.flash_attention_varlen(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max(lq),
+                                         max(lk), sinks=s, block_sizes=block_sizes,
+                                         interpret=True, return_lse=True, **kw)
+
+    def refn(q, k, v, s):
+        return ref.attention_reference_varlen(q, k, v, cq, ck, sinks=s, **kw)
+
+    o, grads = _check_all(kern, refn, q, k, v, do, sinks, dtype)
+    # Queries of sequences without keys: exactly zero output and gradient.
+    for s in range(len(lq)):
+        if lk[s] == 0 and lq[s] > 0:
+            np.testing.assert_array_equal(np.asarray(o[cq[s]:cq[s + 1]]), 0.0)
+            np.testing.assert_array_equal(np.asarray(grads[0][cq[s]:cq[s + 1]]), 0.0)
+
+
+@settings(max_examples=6, **HYP)
+@given(varlen_cases())
+def test_varlen_matches_reference(case):
+    _varlen_case(**case)
+
+
+def test_varlen_empty_and_single_token_sequences():
+    # A sequence with a query but no key, an empty one, a length-1 one, and a
+    # long one crossing block boundaries.
+    _varlen_case([5, 0, 1, 130, 40], [7, 3, 0, 100, 40], group=4, causal=True, with_sinks=True)
+
+
+def test_varlen_jit_traced_cu_seqlens():
+    cq = jnp.asarray([0, 3, 3, 90], jnp.int32)
+    ck = jnp.asarray([0, 5, 20, 150], jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(1), (90, 2, 64), jnp.float32)
+    k = jax.random.normal(jax.random.PRNGKey(2), (150, 1, 64), jnp.float32)
+    v = jax.random.normal(jax.random.PRNGKey(3), (150, 1, 64), jnp.float32)
+    f = jax.jit(lambda q, k, v, cq, ck: fa.flash_attention_varlen(
+        q, k, v, cq, ck, 87, 130, causal=True, block_sizes=SMALL, interpret=True))
+    out = f(q, k, v, cq, ck)
+    expected, _ = ref.attention_reference_varlen(q, k, v, np.asarray(cq), np.asarray(ck),
+                                                 causal=True)
+    ref.assert_close(out, expected, jnp.float32, "out", "out")
+
+
+# ---------------------------------------------------------------------------
+# Block schedule structure.
+
+
+def _token_mask(geom, group, q_offset, causal, window, seq_major):
+    rows = np.arange(geom.q_rows_total)
+    pos = rows // group + q_offset if seq_major else rows + q_offset
+    kj = np.arange(geom.kv_len)
+    m = np.ones((len(rows), len(kj)), bool)
+    left, right = window
+    if causal:
+        m &= kj[None] <= pos[:, None]
+    if left >= 0:
+        m &= kj[None] >= pos[:, None] - left
+    if right >= 0:
+        m &= kj[None] <= pos[:, None] + right
+    return m
+
+
+def _visible_blocks(geom, group, q_offset, causal, window, seq_major):
+    """Brute-force: which (q block, kv block) pairs have a visible entry."""
+    rows = np.arange(geom.q_rows_total)
+    pos = rows // group + q_offset if seq_major else rows + q_offset
+    kj = np.arange(geom.kv_len)
+    m = np.ones((len(rows), len(kj)), bool)
+    left, right = window
+    if causal:
+        m &= kj[None] <= pos[:, None]
+    if left >= 0:
+        m &= kj[None] >= pos[:, None] - left
+    if right >= 0:
+        m &= kj[None] <= pos[:, None] + right
+    nq, nk = geom.num_q_blocks, geom.num_kv_blocks
+    vis = np.zeros((nq, nk), bool)
+    full = np.zeros((nq, nk), bool)
+    for i in range(nq):
+        for j in range(nk):
+            blk = m[i * geom.block_pos:(i + 1) * geom.block_pos,
+                    j * geom.block_kv:(j + 1) * geom.block_kv]
+            vis[i, j] = blk.any()
+            full[i, j] = (blk.all() and blk.shape == (geom.block_pos, geom.block_kv))
+    return vis, full
+
+
+@pytest.mark.parametrize("sq,skv,group,causal,window,block_q", [
+    (1000, 1000, 1, True, (-1, -1), 128),
+    (700, 1300, 4, True, (200, -1), 128),
+    (1300, 700, 2, True, (-1, -1), 256),
+    (900, 900, 1, False, (100, 50), 128),
+    (900, 900, 1, False, (-1, -1), 128),
+    (60, 1000, 4, True, (300, -1), 16),  # decode layout
+])
+def test_schedule_visits_exactly_visible_pairs(sq, skv, group, causal, window, block_q):
+    geom = tiling.geometry(block_q, 128, q_len=sq, kv_len=skv, group=group, max_rows=4096)
+    q_offset = skv - sq
+    vis, full = _visible_blocks(geom, group, q_offset, causal, window, geom.seq_major)
+    kw = dict(q_offset=q_offset, group=group, causal=causal, left=window[0], right=window[1],
+              segmented=False)
+    rows_sched, cols_sched = bsched.dense_schedules(geom, geom, **kw)
+    for sched, q_major in ((rows_sched, True), (cols_sched, False)):
+        outer, inner, flags = bsched.decode_word(sched)
+        qi, kj = (outer, inner) if q_major else (inner, outer)
+        comp = (flags & bsched.COMPUTE) != 0
+        got = np.zeros_like(vis)
+        got[qi[comp], kj[comp]] = True
+        np.testing.assert_array_equal(got, vis)
+        assert comp.sum() == vis.sum()  # no pair twice
+        masked = (flags & bsched.MASK) != 0
+        np.testing.assert_array_equal(masked[comp], ~full[qi[comp], kj[comp]])
+        # Every outer block initialises and finalises exactly once, in order.
+        n_outer = geom.num_q_blocks if q_major else geom.num_kv_blocks
+        assert np.array_equal(outer[(flags & bsched.INIT) != 0], np.arange(n_outer))
+        assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
+        assert np.all(np.diff(outer) >= 0)
+
+
+@pytest.mark.parametrize("sq,skv,causal,window,block,sub", [
+    (1000, 1000, True, (-1, -1), 512, 128),
+    (700, 1300, True, (200, -1), 512, 256),
+    (1300, 700, True, (-1, -1), 256, 128),
+    (900, 900, False, (100, 50), 512, 128),
+])
+def test_sub_tiles_cover_exactly_the_visible_ones(sq, skv, causal, window, block, sub):
+    geom = tiling.geometry(block, block, q_len=sq, kv_len=skv, group=1, max_rows=4096)
+    tiles = bsched.sub_tiles(geom, sub, eligible=True)
+    assert tiles == (sub, sub)
+    m = _token_mask(geom, 1, skv - sq, causal, window, False)
+    left, right = bsched._dense_band(window[0], window[1], causal)
+    for i in range(geom.num_q_blocks):
+        for j in range(geom.num_kv_blocks):
+            for a in range(block // sub):
+                lo, hi = bsched.chunk_bounds(i, j, a, geom=geom, sub=tiles, q_offset=skv - sq,
+                                             left=left, right=right)
+                r0 = i * block + a * sub
+                want = [c for c in range(block // sub)
+                        if m[r0:r0 + sub, j * block + c * sub:j * block + (c + 1) * sub].any()]
+                assert list(range(int(lo), int(hi))) == want, (i, j, a)
+
+
+def _issued_over_useful(t, d, generation, group=4):
+    plan = tiling.plan(generation=generation, q_len=t, kv_len=t, group=group, head_dim=d,
+                       head_dim_v=d, itemsize=2)
+    kw = dict(q_offset=0, group=group, causal=True, left=-1, right=-1, segmented=False)
+    (fwd,) = bsched.dense_schedules(plan.fwd, None, **kw)
+    dq, dkdv = bsched.dense_schedules(plan.dq, plan.dkdv, **kw)
+    useful = 2 * group * (t * (t + 1) // 2) * (d + d)  # 2 matmuls over visible entries
+
+    def issued(sched, geom, q_major):
+        sub = bsched.sub_tiles(geom, plan.sub_block, eligible=True)
+        return bsched.mxu_work(sched, geom, d, d, group, q_major=q_major, sub=sub, causal=True)
+
+    return {
+        "fwd": issued(fwd, plan.fwd, True) / useful,
+        "dq": issued(dq, plan.dq, True) / useful,
+        "dkdv": issued(dkdv, plan.dkdv, False) / useful,
+        "fwd_steps": len(fwd),
+        "plan": plan,
+    }
+
+
+def test_causal_grid_visits_only_lower_triangle_v6e():
+    r = _issued_over_useful(8192, 128, "v6e")
+    assert r["plan"].fwd.block_pos == 512 and r["plan"].fwd.block_kv == 512
+    assert r["fwd_steps"] == 16 * 17 // 2  # lower-triangle block pairs only
+    for kernel in ("fwd", "dq", "dkdv"):
+        # Whole diagonal blocks would give 17/16 = 1.0625; 256 sub-tiles halve
+        # the diagonal's waste.
+        assert r[kernel] <= 1.04, (kernel, r[kernel])
+
+
+def test_varlen_schedule_bound_and_coverage():
+    # Data-dependent schedules: every visible pair appears, within the bound.
+    lq = [5, 0, 1, 300, 40, 129]
+    lk = [7, 3, 0, 250, 400, 129]
+    cq = jnp.asarray(np.concatenate([[0], np.cumsum(lq)]), jnp.int32)
+    ck = jnp.asarray(np.concatenate([[0], np.cumsum(lk)]), jnp.int32)
+    tq, tk = sum(lq), sum(lk)
+    for causal, window in ((True, (-1, -1)), (False, (30, 10)), (False, (-1, -1))):
+        geom = tiling.geometry(128, 128, q_len=tq, kv_len=tk, group=1, max_rows=4096)
+        seg, pos, (rows, cols) = bsched.varlen_schedules(
+            cq, ck, tq, tk, geom, geom, group=1, causal=causal, left=window[0],
+            right=window[1], max_seqlen_k=max(lk))
+        # Brute-force visibility from the reference's per-sequence masks.
+        vis_tok = np.zeros((tq, tk), bool)
+        cqn, ckn = np.asarray(cq), np.asarray(ck)
+        for s in range(len(lq)):
+            if lq[s] and lk[s]:
+                m = np.asarray(ref.visibility_mask(lq[s], lk[s], causal=causal,
+                                                   window_size=window))[0]
+                vis_tok[cqn[s]:cqn[s + 1], ckn[s]:ckn[s + 1]] = m
+        nq, nk = geom.num_q_blocks, geom.num_kv_blocks
+        vis = np.zeros((nq, nk), bool)
+        for i in range(nq):
+            for j in range(nk):
+                vis[i, j] = vis_tok[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].any()
+        for sched, q_major in ((rows, True), (cols, False)):
+            outer, inner, flags = (np.asarray(x) for x in bsched.decode_word(sched))
+            qi, kj = (outer, inner) if q_major else (inner, outer)
+            comp = (flags & bsched.COMPUTE) != 0
+            got = np.zeros_like(vis)
+            got[qi[comp], kj[comp]] = True
+            assert np.all(got[vis]), "a visible pair is missing from the schedule"
+            n_outer = nq if q_major else nk
+            assert np.array_equal(outer[(flags & bsched.INIT) != 0], np.arange(n_outer))
+            assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
+
+
+# ---------------------------------------------------------------------------
+# Tiling table and VMEM checks.
+
+
+@pytest.mark.parametrize("generation", tiling.GENERATIONS)
+def test_table_fits_vmem(generation):
+    for d, dv in ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256)):
+        for group in (1, 2, 4, 8, 16):
+            for q_len, kv_len in ((1, 32768), (100, 5000), (1024, 1024), (32768, 32768)):
+                for itemsize in (2, 4):
+                    plan = tiling.plan(generation=generation, q_len=q_len, kv_len=kv_len,
+                                       group=group, head_dim=d, head_dim_v=dv,
+                                       itemsize=itemsize)
+                    budget = tiling.VMEM_BUDGET_BYTES[generation]
+                    for geom, est in ((plan.fwd, tiling.fwd_vmem_bytes),
+                                      (plan.dkdv, tiling.dkdv_vmem_bytes),
+                                      (plan.dq, tiling.dq_vmem_bytes)):
+                        assert est(geom.rows, geom.block_kv, d, dv, itemsize) <= budget
+
+
+def test_oversized_block_sizes_raise_with_need_and_budget():
+    bs = tiling.BlockSizes(block_q=4096, block_kv=8192, block_q_bwd=4096, block_kv_bwd=8192,
+                           max_rows=16384)
+    with pytest.raises(ValueError, match=r"needs about [\d.]+ MiB .* tpu7x budget is 48.0 MiB"):
+        tiling.plan(generation="tpu7x", q_len=32768, kv_len=32768, group=4, head_dim=128,
+                    head_dim_v=128, itemsize=2, block_sizes=bs)
+
+
+def test_block_sizes_validation():
+    with pytest.raises(ValueError, match="block_kv"):
+        tiling.BlockSizes(512, 500, 512, 512)
+    with pytest.raises(ValueError, match="generation"):
+        tiling.check_generation("v4")
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+def _arr(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(q=_arr(1, 6, 8, 64), k=_arr(1, 4, 8, 64), v=_arr(1, 4, 8, 64)), "k: expected a number of kv heads"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 128), v=_arr(1, 2, 8, 128)), "k: expected head_dim 64"),
+    (dict(q=_arr(1, 4, 8, 72), k=_arr(1, 2, 8, 72), v=_arr(1, 2, 8, 72)), "q: expected head_dim in"),
+    (dict(q=_arr(1, 4, 8, 64, dtype=jnp.int8), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64)), "q: expected dtype"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64, dtype=jnp.float32), v=_arr(1, 2, 8, 64)), "q, k, v: expected one dtype"),
+    (dict(q=_arr(4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64)), "q: expected a rank-4"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 9, 64), v=_arr(1, 2, 8, 64)), "v: expected sequence length 9"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), sinks=_arr(3, dtype=jnp.float32)), "sinks: expected shape"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), window_size=(-2, 0)), "window_size"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), softcap=-1.0), "softcap"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), q_segment_ids=_arr(1, 8, dtype=jnp.int32)), "q_segment_ids, kv_segment_ids"),
+    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), q_segment_ids=_arr(1, 7, dtype=jnp.int32), kv_segment_ids=_arr(1, 8, dtype=jnp.int32)), "q_segment_ids: expected shape"),
+])
+def test_bad_dense_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        checks.check_inputs(**kwargs)
+    concrete = {n: (jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x)
+                for n, x in kwargs.items()}
+    with pytest.raises(ValueError, match=match):  # the public entry validates first
+        fa.flash_attention(**concrete, interpret=True)
+
+
+def test_bad_varlen_inputs():
+    q, k, v = jnp.zeros((10, 4, 64)), jnp.zeros((12, 2, 64)), jnp.zeros((12, 2, 64))
+    good_q, good_k = jnp.asarray([0, 4, 10], jnp.int32), jnp.asarray([0, 5, 12], jnp.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected shape"):
+        fa.flash_attention_varlen(q, k, v, good_q[None], good_k, 6, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected shape"):
+        fa.flash_attention_varlen(q, k, v, good_q, jnp.asarray([0, 12], jnp.int32), 6, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected nondecreasing offsets"):
+        fa.flash_attention_varlen(q, k, v, jnp.asarray([0, 4, 9], jnp.int32), good_k, 6, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected an integer"):
+        fa.flash_attention_varlen(q, k, v, good_q, good_k.astype(jnp.float32), 6, 7)
+    with pytest.raises(ValueError, match="max_seqlen_k: expected a static int"):
+        fa.flash_attention_varlen(q, k, v, good_q, good_k, 6, None)
+    with pytest.raises(ValueError, match="q: expected a rank-3"):
+        fa.flash_attention_varlen(q[None], k, v, good_q, good_k, 6, 7)
+
+
+def test_dropout_not_supported():
+    with pytest.raises(NotImplementedError, match="dropout"):
+        checks.check_inputs(jnp.zeros((1, 2, 8, 64)), jnp.zeros((1, 2, 8, 64)),
+                            jnp.zeros((1, 2, 8, 64)), dropout_p=0.1)
