@@ -40,16 +40,20 @@ def cpu_impl(impl: str):
         _state.cpu_impl = prev
 
 
-# device_kind strings JAX reports, mapped to our generation names.
-_KIND_TO_GENERATION = (
-    ("v5 lite", "v5e"),
-    ("v5e", "v5e"),
-    ("v5p", "v5p"),
-    ("v5", "v5p"),
-    ("v6", "v6e"),
-    ("7x", "tpu7x"),
-    ("v7", "tpu7x"),
-)
+def generation_of_kind(device_kind: str) -> str:
+    """Our generation name for a JAX TPU `device_kind` ("TPU v5 lite", "TPU v6 lite", "TPU7x", ...).
+
+    An unknown TPU maps to tpu7x, whose VMEM (64 MiB) is the smallest any
+    table plans for: the safe choice.
+    """
+    kind = device_kind.lower().replace(" ", "")
+    if "v5lite" in kind or "v5e" in kind:
+        return "v5e"
+    if "v6" in kind:
+        return "v6e"
+    if "v5p" in kind or kind.endswith("v5"):
+        return "v5p"
+    return "tpu7x"
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,9 +72,4 @@ def detected_generation() -> str:
         devs = [d for d in jax.devices() if d.platform == "tpu"]
     except Exception:  # noqa: BLE001 - no TPU backend on this host
         devs = []
-    if devs:
-        kind = devs[0].device_kind.lower()
-        for key, gen in _KIND_TO_GENERATION:
-            if key in kind:
-                return gen
-    return "v6e"
+    return generation_of_kind(devs[0].device_kind) if devs else "v6e"

@@ -123,26 +123,14 @@ def regime(q_len: int) -> str:
 
 
 def detect_generation() -> str:
-    """The TPU generation of the default device; 'v6e' when not on a TPU.
+    """The generation whose table to use (torch_bindings' detection: env override, device kind).
 
-    Other TPUs map to the table whose VMEM budget they can hold (v5p has
-    64 MiB of VMEM like tpu7x).
+    v5p maps to the tpu7x table, whose VMEM budget (64 MiB) it shares.
     """
-    import jax
+    from ._torch_bindings import backend
 
-    try:
-        kind = jax.devices()[0].device_kind.lower()
-    except Exception:  # noqa: BLE001 - no backend at all
-        return "v6e"
-    if "tpu" not in kind:
-        return "v6e"
-    if "v5" in kind and ("lite" in kind or "v5e" in kind):
-        return "v5e"
-    if "v6" in kind:
-        return "v6e"
-    if "7" in kind or "v5" in kind:
-        return "tpu7x"
-    return "v6e"
+    generation = backend.detected_generation()
+    return "tpu7x" if generation == "v5p" else generation
 
 
 def check_generation(generation: str) -> str:

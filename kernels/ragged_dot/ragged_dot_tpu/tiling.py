@@ -131,25 +131,14 @@ class RaggedDotConfig:
 
 
 def generation_of(device=None) -> str:
-  """Generation name of `device` (default: the first JAX device)."""
+  """Generation name of `device` (default: the one torch_bindings detects)."""
+  from ._torch_bindings import backend  # the one detection rule (env override, device kind)
+
   if device is None:
-    try:
-      device = jax.devices()[0]
-    except RuntimeError:
-      return DEFAULT_GENERATION
+    return backend.detected_generation()
   if getattr(device, "platform", "") != "tpu":
     return DEFAULT_GENERATION
-  kind = device.device_kind.lower().replace(" ", "")
-  if "v5lite" in kind or "v5e" in kind:
-    return "v5e"
-  if "v6" in kind:
-    return "v6e"
-  if "v5p" in kind or kind.endswith("v5"):
-    return "v5p"
-  if "7" in kind:
-    return "tpu7x"
-  # Unknown chip: the smallest VMEM budget in the table is the safe choice.
-  return "tpu7x"
+  return backend.generation_of_kind(device.device_kind)
 
 
 def get_generation(generation: str | None) -> Generation:
