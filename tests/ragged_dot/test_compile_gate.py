@@ -28,6 +28,7 @@ MODELS = {
     "qwen3_30b_a3b": (128, 8, 2048, 768),
     "gemma4_26b_a4b": (128, 8, 2816, 704),
     "mixtral_8x7b": (8, 2, 4096, 14336),
+    "gpt_oss_20b": (32, 4, 2880, 2880),  # H = I = 2880: not a multiple of 128
 }
 TOKENS = [1, 8, 64, 512, 8192]
 KERNELS = ["fwd", "d_lhs", "d_rhs"]
@@ -38,6 +39,8 @@ CI_CASES = [
     ("qwen3_30b_a3b", "down", 512),
     ("gemma4_26b_a4b", "down", 8192),  # prefill; K = 704 is not a multiple of 128
     ("mixtral_8x7b", "down", 8),  # K = 14336
+    ("gpt_oss_20b", "down", 64),  # N = 2880: whole-expert DMA
+    ("gpt_oss_20b", "down", 8192),  # d_rhs 2880 x 2880 blocks exceed VMEM: padded to 128
 ]
 
 if os.environ.get("RAGGED_DOT_FULL_GATE"):

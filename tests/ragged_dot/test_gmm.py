@@ -323,3 +323,30 @@ def test_shape_that_cannot_fit_vmem_names_need_and_budget():
         tiling.gmm_config(4096, 1 << 20, 1024, 8, jnp.bfloat16, generation="tpu7x")
     with pytest.raises(ValueError, match="generation: expected one of"):
         tiling.gmm_config(8, 128, 128, 8, jnp.bfloat16, generation="v9")
+
+
+def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
+  """GPT-OSS prefill: K = N = 2880 full-extent blocks exceed VMEM, so tgmm pads
+  K and N to the 128-lane tile and slices the result; the numbers must not change."""
+  import numpy as np
+  from ragged_dot_tpu import reference, tgmm as tgmm_mod, tiling
+
+  real = tiling.tgmm_config
+  calls = []
+
+  def only_aligned(m, k, n, *a, **kw):
+    calls.append((k, n))
+    if k % 128 or n % 128:
+      raise ValueError("no tgmm block fits VMEM (simulated)")
+    return real(m, k, n, *a, **kw)
+
+  monkeypatch.setattr(tiling, "tgmm_config", only_aligned)
+  key = jax.random.key(7)
+  lhs = jax.random.normal(key, (40, 72), jnp.float32)
+  grad = jax.random.normal(jax.random.fold_in(key, 1), (40, 100), jnp.float32)
+  sizes = jnp.array([10, 0, 25, 5], jnp.int32)
+  got = tgmm_mod.tgmm(lhs, grad, sizes, interpret=True)
+  want = reference.tgmm_reference(lhs, grad, sizes)
+  assert calls == [(72, 100), (128, 128)]
+  assert got.shape == (4, 72, 100)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)

@@ -203,7 +203,19 @@ def tgmm(lhs, grad, group_sizes, *, group_offset=0, num_groups=None,
     return jnp.zeros((num_local, k, n), out_dtype)
   if m == 0 or g_total == 0:
     return jnp.zeros((num_local, k, n), out_dtype)
-  cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, out_dtype)
+  try:
+    cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, out_dtype)
+  except ValueError:
+    kp, np_ = -(-k // 128) * 128, -(-n // 128) * 128
+    if (kp, np_) == (k, n) or isinstance(config, tiling.TgmmConfig):
+      raise
+    # A K or N that is not a multiple of 128 forces full-extent blocks; when
+    # those cannot fit VMEM (GPT-OSS prefill: 2880 x 2880), pad the activations
+    # to the lane tile (a copy of M x K and M x N) so aligned blocks can.
+    out = tgmm(jnp.pad(lhs, ((0, 0), (0, kp - k))), jnp.pad(grad, ((0, 0), (0, np_ - n))),
+               group_sizes, group_offset=group_offset, num_groups=num_local,
+               preferred_element_type=out_dtype, config=config, interpret=interpret)
+    return out[:, :k, :n]
   sub = tiling.sublane(lhs.dtype, grad.dtype, out_dtype)
   tiling.check_tgmm_config(cfg, k, n, sub)
   bm, bk, bn = cfg.block_m, cfg.block_k, cfg.block_n
