@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,6 +44,12 @@ class CompileResult:
     bytes_accessed: float | None
 
 
+# libtpu guards itself with a lock file: a compile that races another
+# process's libtpu start-up fails with this message and succeeds on retry.
+_TRANSIENT = "libtpu multi-process"
+_RETRIES = 8
+
+
 def tpu_compile(
     fn: Callable[..., Any],
     args: Sequence[jax.ShapeDtypeStruct],
@@ -56,19 +63,20 @@ def tpu_compile(
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args
     ]
     f = functools.partial(fn, **(static_kwargs or {}))
-    return jax.jit(f).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
+    for attempt in range(_RETRIES):
+        try:
+            return jax.jit(f).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
+        except Exception as e:  # noqa: BLE001 - the compiler raises many types
+            if _TRANSIENT not in str(e) or attempt + 1 == _RETRIES:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
-def try_tpu_compile(fn, args, generation, static_kwargs=None) -> CompileResult:
-    """Like tpu_compile, but reports failure (e.g. VMEM OOM) instead of raising."""
-    try:
-        compiled = tpu_compile(fn, args, generation, static_kwargs)
-    except Exception as e:  # noqa: BLE001 - the compiler raises many types
-        return CompileResult(generation, False, f"{type(e).__name__}: {e}"[:2000], None, None, None)
+def executable_costs(compiled) -> tuple[int | None, float | None, float | None]:
+    """(temp bytes, flops, bytes accessed) from the compiler's analyses, None if unreadable."""
     temp = flops = nbytes = None
     try:
-        mem = compiled.memory_analysis()
-        temp = int(getattr(mem, "temp_size_in_bytes", 0))
+        temp = int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0))
     except Exception:  # noqa: BLE001
         pass
     try:
@@ -79,4 +87,13 @@ def try_tpu_compile(fn, args, generation, static_kwargs=None) -> CompileResult:
         nbytes = float(cost.get("bytes accessed", 0.0))
     except Exception:  # noqa: BLE001
         pass
-    return CompileResult(generation, True, None, temp, flops, nbytes)
+    return temp, flops, nbytes
+
+
+def try_tpu_compile(fn, args, generation, static_kwargs=None) -> CompileResult:
+    """Like tpu_compile, but reports failure (e.g. VMEM OOM) instead of raising."""
+    try:
+        compiled = tpu_compile(fn, args, generation, static_kwargs)
+    except Exception as e:  # noqa: BLE001 - the compiler raises many types
+        return CompileResult(generation, False, f"{type(e).__name__}: {e}"[:2000], None, None, None)
+    return CompileResult(generation, True, None, *executable_costs(compiled))

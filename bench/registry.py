@@ -1,0 +1,407 @@
+"""Implementations benchmarked side by side: name -> builder of a JAX callable.
+
+A builder gets the point (shape + routing) and the TPU generation and returns
+a `Built`: the function to trace/compile (same positional inputs for every
+implementation of a kernel, see `bench.points`) and a key naming the program
+for the caches. It raises `Skip(reason)` when the implementation is not
+available (module not importable yet, tokamax not installed, ...); the sweep
+records the reason instead of failing.
+
+Our own kernels are looked up by a documented function name. If the kernel
+package settles on a different signature, adapt the one call marked
+`# ADAPT` in the builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+import os
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from . import moe
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _add_kernel_paths():
+  """Repo root and every kernels/<kernel>/ folder, as tests/conftest.py does."""
+  paths = [_REPO]
+  kdir = os.path.join(_REPO, "kernels")
+  if os.path.isdir(kdir):
+    paths += [os.path.join(kdir, d) for d in sorted(os.listdir(kdir))
+              if os.path.isdir(os.path.join(kdir, d))]
+  for p in paths:
+    if p not in sys.path:
+      sys.path.append(p)
+
+
+_add_kernel_paths()
+
+
+class Skip(Exception):
+  """The implementation cannot run at this point; the message says why."""
+
+
+@dataclasses.dataclass
+class Built:
+  fn: Callable
+  key: tuple  # names the program: same key -> same walk / compile
+  notes: tuple = ()
+  # Programs whose XLA part (everything but the Pallas launches) is the same
+  # share this key, so that part is compiled once for all of them.
+  glue_key: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  name: str
+  kernel: str  # "moe" | "rmsnorm" | "attention"
+  description: str
+  build: Callable  # (point, generation, ctx) -> Built
+  baseline: bool = False  # the "default path" speedups are measured against
+  ours: bool = False
+
+
+REGISTRY: dict[str, Impl] = {}
+
+
+def register(impl: Impl) -> Impl:
+  REGISTRY[impl.name] = impl
+  return impl
+
+
+def impls_for(kernel: str) -> list[Impl]:
+  return [i for i in REGISTRY.values() if i.kernel == kernel]
+
+
+def _import(module: str):
+  try:
+    return importlib.import_module(module)
+  except Exception as e:  # noqa: BLE001 - any import failure is a skip
+    raise Skip(f"import {module} failed: {type(e).__name__}: {e}") from None
+
+
+def _with_generation(fn: Callable, generation: str) -> Callable:
+  """Passes the generation when the kernel takes it (its tiling table needs
+  it): as generation=, or as config= (ragged_dot_tpu accepts a name there)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return fn
+  if "generation" in params:
+    return functools.partial(fn, generation=generation)
+  if "config" in params:  # ragged_dot_tpu: config=None | generation name | config
+    return functools.partial(fn, config=generation)
+  return fn
+
+
+# --------------------------------------------------------------------------
+# MoE experts layer. Inputs: x (T,H), w_gate_up (E,H,2I), w_down (E,I,H),
+# top_k_index (T,k) int32, top_k_weights (T,k) f32 -> (T,H).
+# --------------------------------------------------------------------------
+
+
+def _ours_moe(point, generation, ctx) -> Built:
+  mod = _import("ragged_dot_tpu.moe")
+  if not hasattr(mod, "moe_experts"):
+    raise Skip("ragged_dot_tpu.moe has no moe_experts yet")
+  op = _with_generation(mod.moe_experts, generation)
+
+  def fn(x, w_gate_up, w_down, ids, weights):
+    # ADAPT: moe_experts signature. Our weights are [E, in, out].
+    return op(x, ids, weights, w_gate_up, w_down,
+              num_experts=w_gate_up.shape[0], is_transposed=True)
+
+  return Built(fn, ("ours_moe_experts", generation),
+               glue_key=("ours_moe_experts",))
+
+
+def _ours_ragged_dot(point, generation, ctx) -> Built:
+  mod = _import("ragged_dot_tpu.ragged_dot")
+  if not hasattr(mod, "ragged_dot"):
+    raise Skip("ragged_dot_tpu.ragged_dot has no ragged_dot yet")
+  op = _with_generation(mod.ragged_dot, generation)
+
+  def gmm(lhs, rhs, sizes):
+    return op(lhs, rhs, sizes)  # ADAPT: ragged_dot(lhs, rhs, group_sizes)
+
+  def fn(x, w_gate_up, w_down, ids, weights):
+    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
+
+  rows = point.tokens * point.shape.top_k
+  return Built(fn, ("ours_ragged_dot", generation),
+               glue_key=("experts_layer", rows))
+
+
+def _megablox_module():
+  # jax.experimental.pallas.ops.tpu.megablox re-exports the custom_vjp `gmm`
+  # under the module's own name; the ops module holds it unambiguously.
+  return _import("jax.experimental.pallas.ops.tpu.megablox.ops")
+
+
+def _megablox_layer(tilings: tuple, row_multiple: int):
+  ops = _megablox_module()
+
+  def fn(x, w_gate_up, w_down, ids, weights):
+    it = iter(tilings)  # gate_up first, then down
+
+    def gmm(lhs, rhs, sizes):
+      return ops.gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype,
+                     tiling=next(it))
+
+    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights,
+                             row_multiple=row_multiple)
+
+  return fn
+
+
+def megablox_rows(rows: int) -> int:
+  """Rows padded the way megablox needs them: to 8, then to the 128 tile."""
+  r8 = -(-rows // 8) * 8
+  return r8 if r8 <= 128 else -(-rows // 128) * 128
+
+
+def _megablox_default(point, generation, ctx) -> Built:
+  rows = point.tokens * point.shape.top_k
+  padded = megablox_rows(rows)
+  tm = min(128, padded)  # gmm needs M % tm == 0; smaller M uses one tile
+  tilings = ((tm, 128, 128), (tm, 128, 128))
+  return Built(_megablox_layer(tilings, tm), ("megablox", tilings, tm),
+               glue_key=("experts_layer", -(-rows // tm) * tm))
+
+
+# Default scoped-VMEM limit Mosaic gives a kernel that does not raise it
+# (megablox does not): XLA TPU flags' defaults per generation.
+_SCOPED_VMEM = {"v5e": 16 << 20, "v6e": 32 << 20, "tpu7x": 32 << 20, "v5p": 16 << 20}
+
+
+def _divisors_128(n: int) -> list[int]:
+  """n itself, then multiples of 128 dividing n, largest first; when none
+  divides (e.g. 2880), a few multiples of 128 below n (megablox masks the
+  remainder tile)."""
+  out = [n] + [d for d in range(n - n % 128, 127, -128) if d != n and n % d == 0]
+  if len(out) == 1:
+    out += [d for d in (2048, 1536, 1024, 768, 512, 256, 128) if d < n]
+  return out
+
+
+def _megablox_candidates(rows: int, k: int, n: int, generation: str) -> list:
+  """Tilings in order of preference: full K and N, largest row tile first."""
+  padded = megablox_rows(rows)
+  tms = sorted({t for t in (padded, 1024, 512, 256, 128)
+                if t <= padded and t <= 1024 and padded % t == 0}, reverse=True)
+  cands = []
+  for tk in _divisors_128(k)[:4]:
+    for tn in _divisors_128(n)[:6]:
+      for tm in tms:
+        # double-buffered lhs, rhs, out tiles (bf16) + f32 accumulator
+        need = 2 * 2 * (tm * tk + tk * tn + tm * tn) + 4 * tm * tn
+        if need <= _SCOPED_VMEM.get(generation, 16 << 20):
+          cands.append((tm, tk, tn))
+  # full K first, then widest N, then tallest M
+  cands.sort(key=lambda t: (-(t[1] == k), -t[2] * t[1], -t[0]))
+  return cands
+
+
+def _megablox_best(point, generation, ctx) -> Built:
+  """Per grouped matmul, the tiling with the lower modeled time of the first
+  two (in the order: full K and N, widest N, tallest row tile) that compile
+  for this generation (at most six tried: each failing compile costs
+  seconds)."""
+  from . import model as model_mod
+
+  ops = _megablox_module()
+  s = point.shape
+  rows = point.tokens * s.top_k
+  ids, _ = point.routing_arrays()
+  sizes = jnp.asarray(moe.group_sizes(ids, s.experts))
+  chosen = []
+  for (k, n) in ((s.hidden, 2 * s.intermediate), (s.intermediate, s.hidden)):
+    best = None
+    compiled = 0
+    for tiling in _megablox_candidates(rows, k, n, generation)[:6]:
+      tm = tiling[0]
+      m = -(-rows // tm) * tm
+      lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+      rhs = jax.ShapeDtypeStruct((s.experts, k, n), jnp.bfloat16)
+      f = functools.partial(_gmm_only, ops.gmm, tiling=tiling)
+      res = ctx.compile_kernels(
+          f, (lhs, rhs, jax.ShapeDtypeStruct((s.experts,), jnp.int32)), generation)
+      if not res.ok:
+        continue
+      _, costs = ctx.walk(("megablox_gmm", tiling, m, k, n, point.walk_key), f,
+                          (lhs, rhs, sizes))
+      t = sum(model_mod.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation)
+              for c in costs)
+      if best is None or t < best[0]:
+        best = (t, tiling)
+      compiled += 1
+      if compiled == 2:
+        break
+    if best is None:
+      raise Skip(f"no megablox tiling compiles on {generation} for K={k} N={n}")
+    chosen.append(best[1])
+  row_multiple = math.lcm(chosen[0][0], chosen[1][0])
+  tilings = tuple(chosen)
+  return Built(_megablox_layer(tilings, row_multiple),
+               ("megablox", tilings, row_multiple),
+               notes=(f"tilings gate_up={chosen[0]} down={chosen[1]}",),
+               glue_key=("experts_layer", -(-rows // row_multiple) * row_multiple))
+
+
+def _gmm_only(gmm, lhs, rhs, sizes, *, tiling):
+  return gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=tiling)
+
+
+def _xla_ragged_dot(point, generation, ctx) -> Built:
+  def gmm(lhs, rhs, sizes):
+    return jax.lax.ragged_dot(lhs, rhs, sizes)
+
+  def fn(x, w_gate_up, w_down, ids, weights):
+    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
+
+  return Built(fn, ("xla_ragged_dot",))
+
+
+def _xla_dense(point, generation, ctx) -> Built:
+  if point.phase != "decode":
+    # Every expert on every prefill token: E/top_k times the useful work and
+    # an [T, E, 2I] f32 intermediate; compiling it costs more than it tells.
+    raise Skip("dense all-experts layer is only benchmarked at decode sizes")
+  return Built(moe.dense_layer, ("xla_dense",))
+
+
+def _tokamax(point, generation, ctx) -> Built:
+  tk = _import("tokamax")
+  if not hasattr(tk, "ragged_dot"):
+    raise Skip("tokamax has no ragged_dot")
+
+  def gmm(lhs, rhs, sizes):
+    return tk.ragged_dot(lhs, rhs, sizes)
+
+  def fn(x, w_gate_up, w_down, ids, weights):
+    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
+
+  return Built(fn, ("tokamax_ragged_dot",))
+
+
+register(Impl("ours_moe_experts", "moe",
+              "ragged_dot_tpu.moe.moe_experts (fused experts op, this library)",
+              _ours_moe, ours=True))
+register(Impl("ours_ragged_dot", "moe",
+              "ragged_dot_tpu.ragged_dot.ragged_dot x2 + XLA dispatch/combine",
+              _ours_ragged_dot, ours=True))
+register(Impl("megablox_default", "moe",
+              "JAX megablox gmm, default tiling (128,128,128) (M<128: one row tile)",
+              _megablox_default))
+register(Impl("megablox_best", "moe",
+              "JAX megablox gmm, best tiling that compiles (full K,N; largest row tile)",
+              _megablox_best))
+register(Impl("xla_ragged_dot", "moe",
+              "jax.lax.ragged_dot x2 (transformers' grouped_mm path in JAX)",
+              _xla_ragged_dot, baseline=True))
+register(Impl("xla_dense", "moe",
+              "all experts on all tokens (einsum), then mix the top-k",
+              _xla_dense))
+register(Impl("tokamax_ragged_dot", "moe", "tokamax.ragged_dot (if installed)",
+              _tokamax))
+
+
+# --------------------------------------------------------------------------
+# RMSNorm: x (T,H) bf16, weight (H,) -> (T,H).
+# --------------------------------------------------------------------------
+
+
+def _ours_rmsnorm(point, generation, ctx) -> Built:
+  mod = _import("rmsnorm_tpu.kernel")
+  if not hasattr(mod, "rms_norm"):
+    raise Skip("rmsnorm_tpu.kernel has no rms_norm")
+
+  def fn(x, w):
+    return mod.rms_norm(x, w, 1e-6, False, False, generation)  # ADAPT
+
+  return Built(fn, ("ours_rmsnorm", generation), glue_key=("ours_rmsnorm",))
+
+
+def _xla_rmsnorm(point, generation, ctx) -> Built:
+  def fn(x, w):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+  return Built(fn, ("xla_rmsnorm",))
+
+
+register(Impl("ours_rmsnorm", "rmsnorm", "rmsnorm_tpu.kernel.rms_norm", _ours_rmsnorm,
+              ours=True))
+register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsnorm,
+              baseline=True))
+
+
+# --------------------------------------------------------------------------
+# Attention: q (B,Hq,S,D), k/v (B,Hkv,S,D) bf16, causal -> (B,Hq,S,D).
+# --------------------------------------------------------------------------
+
+
+def _ours_attention(point, generation, ctx) -> Built:
+  mod = _import("flash_attention_tpu.flash_attention")
+  if not hasattr(mod, "flash_attention"):
+    raise Skip("flash_attention_tpu.flash_attention has no flash_attention yet")
+  op = _with_generation(mod.flash_attention, generation)
+
+  def fn(q, k, v):
+    return op(q, k, v, causal=True)  # ADAPT
+
+  return Built(fn, ("ours_flash_attention", generation),
+               glue_key=("ours_flash_attention",))
+
+
+def _jax_flash(point, generation, ctx) -> Built:
+  fa = _import("jax.experimental.pallas.ops.tpu.flash_attention")
+  d = point.head_dim
+
+  def fn(q, k, v):
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # the JAX kernel wants as many kv heads as q heads
+      k = jnp.repeat(k, rep, axis=1)
+      v = jnp.repeat(v, rep, axis=1)
+    return fa.flash_attention(q, k, v, causal=True, sm_scale=d ** -0.5)
+
+  return Built(fn, ("jax_pallas_flash_attention",))
+
+
+def _xla_attention(point, generation, ctx) -> Built:
+  d = point.head_dim
+
+  def fn(q, k, v):
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+      k = jnp.repeat(k, rep, axis=1)
+      v = jnp.repeat(v, rep, axis=1)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+    s = s * d ** -0.5
+    n = q.shape[2]
+    mask = jnp.tril(jnp.ones((n, n), bool))
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bhkd->bhqd", p, v)
+
+  return Built(fn, ("xla_attention",))
+
+
+register(Impl("ours_flash_attention", "attention",
+              "flash_attention_tpu.flash_attention.flash_attention", _ours_attention,
+              ours=True))
+register(Impl("jax_pallas_flash_attention", "attention",
+              "jax.experimental.pallas.ops.tpu.flash_attention (default blocks)",
+              _jax_flash))
+register(Impl("xla_attention", "attention", "softmax(QK^T)V compiled by XLA",
+              _xla_attention, baseline=True))

@@ -1,0 +1,155 @@
+"""AOT TPU compile of a program, cached: compile gate + the compiler's costs.
+
+`torch_bindings.aot.tpu_compile` runs the real Mosaic + XLA TPU compiler for
+a generation without the chip. From the executable we keep what the model
+needs: whether it compiles (VMEM overflow, layout errors), the temp memory
+the compiler reserved, the cost analysis (flops, bytes accessed: for a Pallas
+custom call XLA reports the kernel's declared CostEstimate, which the sweep
+replaces by the walker's counts) and, as a bonus, the per-fusion
+`estimated_cycles` XLA's TPU cost model writes into each fusion's
+backend_config (in cycles; converting to time needs the TensorCore clock,
+which Google does not publish for these chips, so they are reported raw).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import threading
+from typing import Any, Callable, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  generation: str
+  ok: bool
+  error: str | None
+  temp_bytes: int | None
+  flops: float | None
+  bytes_accessed: float | None
+  estimated_cycles: int | None  # sum over the entry computation's fusions
+  seconds: float  # compile wall time on this host
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def _entry_cycles(hlo_text: str) -> int | None:
+  """Sum of estimated_cycles of the instructions in the ENTRY computation.
+
+  Nested computations carry their own (inner) estimates; only the top-level
+  instructions are what the TPU executes one after another.
+  """
+  start = hlo_text.find("\nENTRY ")
+  if start < 0:
+    return None
+  end = hlo_text.find("\n}\n", start)
+  body = hlo_text[start:end if end > 0 else None]
+  found = [int(m) for m in _CYCLES.findall(body)]
+  return sum(found) if found else None
+
+
+def compile_program(fn: Callable, args: Sequence[Any], generation: str,
+                    want_cycles: bool = True) -> Compiled:
+  """Compiles fn(*args) (args: ShapeDtypeStructs) for `generation`.
+
+  `want_cycles=False` skips printing the optimized HLO, which libtpu cannot
+  do for programs holding a Mosaic custom call (it logs a RET_CHECK error).
+  """
+  import time
+
+  from torch_bindings.aot import executable_costs, tpu_compile
+
+  t0 = time.perf_counter()
+  try:
+    exe = tpu_compile(fn, list(args), generation)
+  except Exception as e:  # noqa: BLE001 - the compiler raises many types
+    return Compiled(generation, False, _short_error(f"{type(e).__name__}: {e}"), None, None, None,
+                    None, time.perf_counter() - t0)
+  temp, flops, nbytes = executable_costs(exe)
+  cycles = None
+  if want_cycles:
+    try:
+      cycles = _entry_cycles(exe.as_text())
+    except Exception:  # noqa: BLE001
+      pass
+  return Compiled(generation, True, None, temp, flops, nbytes, cycles,
+                  time.perf_counter() - t0)
+
+
+def _short_error(msg: str) -> str:
+  # Keep the compiler's one-line reason (e.g. CompileTimeScopedVmemOom).
+  for pat in ("CompileTimeScopedVmemOom", "RESOURCE_EXHAUSTED", "ResourceExhausted"):
+    i = msg.find(pat)
+    if i >= 0:
+      return msg[max(0, i - 40):i + 300].replace("\n", " ")
+  return msg[:400].replace("\n", " ")
+
+
+class CompileCache:
+  """(key, generation) -> Compiled, optionally persisted as JSON lines."""
+
+  def __init__(self, path: str | None = None, read_also: Sequence[str] = ()):
+    """Results are appended to `path`; `read_also` are more files to load
+    (other workers' shards)."""
+    self.path = path
+    self._mem: dict[str, Compiled] = {}
+    self._lock = threading.Lock()
+    for p in ([path] if path else []) + list(read_also):
+      if p and os.path.exists(p):
+        self._load(p)
+
+  def _load(self, path: str) -> None:
+    with open(path) as f:
+      for line in f:
+        try:
+          rec = json.loads(line)
+          self._mem[rec["key"]] = Compiled(**rec["value"])
+        except Exception:  # noqa: BLE001 - a torn line is just a miss
+          continue
+
+  def merge_from(self, paths: Sequence[str]) -> None:
+    """Folds other cache files into this one (and its file), then removes them."""
+    for p in paths:
+      if not os.path.exists(p):
+        continue
+      before = set(self._mem)
+      self._load(p)
+      if self.path:
+        with open(self.path, "a") as f:
+          for k in set(self._mem) - before:
+            f.write(json.dumps({"key": k, "value": self._mem[k].to_json()}) + "\n")
+      os.remove(p)
+
+  @staticmethod
+  def _k(key, generation) -> str:
+    return json.dumps([key, generation], sort_keys=True, default=str)
+
+  def get(self, key, generation, fn: Callable, args: Sequence[Any],
+          want_cycles: bool = True) -> Compiled:
+    k = self._k(key, generation)
+    with self._lock:
+      if k in self._mem:
+        return self._mem[k]
+    res = compile_program(fn, args, generation, want_cycles)
+    if not res.ok and _TRANSIENT in (res.error or ""):
+      return res  # not a property of the program: do not remember it
+    with self._lock:
+      self._mem[k] = res
+      if self.path:
+        with open(self.path, "a") as f:
+          f.write(json.dumps({"key": k, "value": res.to_json()}) + "\n")
+    return res
+
+  def __len__(self):
+    return len(self._mem)
