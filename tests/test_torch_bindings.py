@@ -135,3 +135,17 @@ def test_typed_function_for_torch_tpu_matches_schema(lib):
     assert sig.return_annotation is jax.Array
     out = lib.scale_shift.tpu_op()(torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta"), None, 1.0)
     assert out.shape == (2, 3)
+
+
+def test_cpu_impl_switch_reaches_every_vendored_copy():
+    """The top-level torch_bindings switch must steer a kernel that vendors its own copy."""
+    import rmsnorm_tpu
+
+    op = rmsnorm_tpu.ops._rms_norm
+    x, w = torch.randn(2, 24), torch.randn(24)
+    with cpu_impl("reference"):
+        rmsnorm_tpu.rms_norm(x, w, 0.125)
+    assert ("reference", (0.125, False)) in op._jit_cache
+    assert ("interpret", (0.125, False)) not in op._jit_cache
+    rmsnorm_tpu.rms_norm(x, w, 0.125)
+    assert ("interpret", (0.125, False)) in op._jit_cache

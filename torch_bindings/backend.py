@@ -12,32 +12,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 
 CPU_IMPLS = ("interpret", "reference")
-_state = threading.local()
+_ENV = "TPU_KERNELS_CPU_IMPL"
 
 
 def current_cpu_impl() -> str:
-    impl = getattr(_state, "cpu_impl", None) or os.environ.get("TPU_KERNELS_CPU_IMPL", "interpret")
+    impl = os.environ.get(_ENV, "interpret")
     if impl not in CPU_IMPLS:
-        raise ValueError(
-            f"TPU_KERNELS_CPU_IMPL: expected one of {CPU_IMPLS}, got {impl!r}"
-        )
+        raise ValueError(f"{_ENV}: expected one of {CPU_IMPLS}, got {impl!r}")
     return impl
 
 
 @contextlib.contextmanager
 def cpu_impl(impl: str):
-    """Temporarily run host tensors through `impl` ("interpret" or "reference")."""
+    """Temporarily run host tensors through `impl` ("interpret" or "reference").
+
+    The switch lives in the environment, not in this module: every built
+    kernel vendors its own copy of torch_bindings, and all of them must see
+    it. It is process-wide (not per thread).
+    """
     if impl not in CPU_IMPLS:
         raise ValueError(f"impl: expected one of {CPU_IMPLS}, got {impl!r}")
-    prev = getattr(_state, "cpu_impl", None)
-    _state.cpu_impl = impl
+    prev = os.environ.get(_ENV)
+    os.environ[_ENV] = impl
     try:
         yield
     finally:
-        _state.cpu_impl = prev
+        if prev is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = prev
 
 
 def generation_of_kind(device_kind: str) -> str:

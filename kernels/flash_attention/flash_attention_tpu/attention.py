@@ -1,0 +1,203 @@
+"""Public API: flash-attn's functions and transformers' attention interface.
+
+`flash_attn_func` / `flash_attn_varlen_func` follow flash-attn 2's calling
+conventions ([B, S, H, D] and packed [total, H, D]), plus `s_aux` (attention
+sinks, GPT-OSS) as in vLLM's flash-attn 3. transformers (5.22) reads the
+varlen function's signature to decide which optional arguments it passes
+(`modeling_flash_attention_utils._lazy_define_process_function`): every name
+below that it knows (dropout_p, softmax_scale, causal, window_size, softcap,
+deterministic, s_aux, max_seqlen_q, max_seqlen_k) is therefore passed.
+
+`attention_forward` is a drop-in for transformers' attention interface
+(`ALL_ATTENTION_FUNCTIONS`): it takes [B, H, S, D] tensors and the model's
+mask and calls the dense kernel directly, GQA natively (no repeated K/V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import flash_attention, flash_attention_varlen
+
+
+def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
+    if dropout_p:
+        raise NotImplementedError(
+            f"dropout_p: attention dropout is not supported by flash-attention-tpu (got {dropout_p}); "
+            "expected 0.0 (call the model in eval mode or set attention_dropout=0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not supported by flash-attention-tpu")
+    if return_attn_probs:
+        raise NotImplementedError(
+            "return_attn_probs: flash-attention-tpu returns only the attention output")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    s_aux=None):
+    """Attention over q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv] -> [B, Sq, Hq, Dv].
+
+    Hq must be a multiple of Hkv (GQA/MQA, no K/V repeat). causal is aligned
+    to the bottom right when Sq != Skv. window_size=(left, right): keys
+    within [i - left, i + right] of query i, -1 unbounded. softcap > 0:
+    logits -> softcap * tanh(logits / softcap). s_aux [Hq]: per-head sink
+    logit added to the softmax denominator. deterministic is accepted and
+    ignored: the kernels are always deterministic. Not supported (raise
+    NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
+    """
+    _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    return flash_attention(q, k, v, sinks=s_aux, layout="bshd", causal=causal, window_size=window_size,
+                           softcap=softcap, softmax_scale=softmax_scale)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, s_aux=None):
+    """Packed sequences: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] -> [total_q, Hq, Dv].
+
+    cu_seqlens_q/k: int32 or int64 [num_seqs + 1], nondecreasing offsets from
+    0 to total (empty sequences allowed). max_seqlen_q/k: int or one-element
+    tensor, at least the longest sequence. No attention across sequences;
+    causal and windows are aligned per sequence (bottom right). Other
+    arguments as in flash_attn_func.
+    """
+    _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  sinks=s_aux, causal=causal, window_size=window_size, softcap=softcap,
+                                  softmax_scale=softmax_scale)
+
+
+# -- transformers attention interface --------------------------------------------
+
+_MASK_HELP = (
+    "supported masks: None, a 2-D padding mask [batch, kv_len] (1/True = keep; what transformers' "
+    "flash_attention_2 mask function returns), or a 4-D [batch, 1, q_len, kv_len] boolean/additive "
+    "mask that equals the causal/sliding-window pattern combined with key padding"
+)
+
+
+def _band(q_len, kv_len, causal, left, right, device):
+    """[Sq, Skv] bool: visibility of key j from query i, bottom-right aligned."""
+    qi = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    kj = torch.arange(kv_len, device=device)[None, :]
+    band = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if causal:
+        band &= kj <= qi
+    elif right >= 0:
+        band &= kj <= qi + right
+    if left >= 0:
+        band &= kj >= qi - left
+    return band
+
+
+def _kv_valid_from_4d(mask, batch, q_len, kv_len, causal, left, right):
+    """Key padding [B, Skv] of a 4-D mask, checked (eager) to be all the mask says."""
+    if mask.shape[1] != 1 or mask.shape[2] != q_len or mask.shape[3] != kv_len or mask.shape[0] not in (1, batch):
+        raise ValueError(f"attention_mask: expected shape [{batch} or 1, 1, {q_len}, {kv_len}], "
+                         f"got {list(mask.shape)}; {_MASK_HELP}")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask == 0
+    kv_valid = allowed.any(dim=2)[:, 0].expand(batch, kv_len)
+    if mask.device.type != "meta" and not torch.compiler.is_compiling():
+        if mask.dtype != torch.bool:
+            blocked = mask <= torch.finfo(mask.dtype).min / 2
+            if not bool(torch.all(allowed | blocked)):
+                raise ValueError(f"attention_mask: additive biases other than 0 / -inf are not supported; "
+                                 f"{_MASK_HELP}")
+        want = _band(q_len, kv_len, causal, left, right, mask.device)[None] & kv_valid[:, None, :]
+        if not torch.equal(want, allowed[:, 0].expand(batch, q_len, kv_len)):
+            raise ValueError(f"attention_mask: this mask is not expressible as causal={causal}, "
+                             f"window=({left}, {right}) plus key padding; {_MASK_HELP}")
+    return kv_valid
+
+
+def _packed_segments(position_ids, batch, q_len, kv_len):
+    """Segment ids [1, S] of sequences packed in one row (positions restart), else None.
+
+    Like transformers' flash path, packing is recognised from position ids
+    that restart at their minimum; with segment ids, causal and window masks
+    by packed index are exactly the per-sequence ones. Eager mode reads the
+    ids once (a device sync) to keep unpacked rows on the faster segment-free
+    path; under torch.compile the segments are always used.
+    """
+    if (position_ids is None or batch != 1 or q_len != kv_len or q_len < 2
+            or position_ids.numel() != q_len):
+        return None
+    pos = position_ids.reshape(1, q_len)
+    seg = torch.cumsum((pos == pos.min()).to(torch.int32), dim=1, dtype=torch.int32)
+    if pos.device.type != "meta" and not torch.compiler.is_compiling() and int(seg[0, -1]) == 1:
+        return None
+    return seg
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, **kwargs):
+    """transformers attention interface: query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D]
+    -> (out [B, Sq, Hq, D], None).
+
+    Causal from `is_causal` (kwarg, else `module.is_causal`); sinks from the
+    `s_aux` kwarg or `module.sinks` (GPT-OSS); `sliding_window` w means the
+    last w keys (transformers' convention). Padding masks run the dense kernel
+    with segment ids (keys of padding get another segment), so shapes stay
+    static; packed sequences given as `cu_seq_lens_q/k` + `max_length_q/k`
+    (DataCollatorWithFlattening) run the varlen kernel, packed sequences
+    given only by restarting `position_ids` (batch 1, no mask) run the dense
+    kernel with segment ids. Any other mask raises a ValueError.
+    """
+    _unsupported(dropout, None, False)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    left = right = -1
+    if sliding_window is not None:
+        left = right = int(sliding_window) - 1
+    window = (left, right)
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if attention_mask is None and all(x is not None for x in (cu_q, cu_k, max_q, max_k)):
+        b, hq = query.shape[:2]
+        q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
+        out = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sinks=sinks, causal=causal,
+                                     window_size=window, softcap=softcap, softmax_scale=scaling)
+        return out.view(b, -1, hq, out.shape[-1]), None
+
+    q_seg = kv_seg = None
+    if attention_mask is None:
+        q_seg = kv_seg = _packed_segments(kwargs.get("position_ids"), query.shape[0], query.shape[2],
+                                          key.shape[2])
+    else:
+        batch, q_len = query.shape[0], query.shape[2]
+        if attention_mask.dim() == 2:
+            kv_len = key.shape[2]
+            if attention_mask.shape[1] < kv_len:  # static cache: keys past the mask are unused slots
+                key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
+            kv_valid = attention_mask[:, -key.shape[2]:].bool()
+            if kv_valid.shape[0] != batch:
+                raise ValueError(f"attention_mask: expected batch {batch}, got shape {list(attention_mask.shape)}")
+            # transformers' flash mask is None unless there is padding: no sync to test for it.
+            padded = True
+        elif attention_mask.dim() == 4:
+            kv_valid = _kv_valid_from_4d(attention_mask, batch, q_len, key.shape[2], causal, left,
+                                         right)
+            # The check above already read the mask; without padding the
+            # segment-free kernel path (sub-tiled diagonal) is faster.
+            padded = (kv_valid.device.type == "meta" or torch.compiler.is_compiling()
+                      or not bool(kv_valid.all()))
+        else:
+            raise ValueError(f"attention_mask: expected 2 or 4 dimensions, got shape "
+                             f"{list(attention_mask.shape)}; {_MASK_HELP}")
+        if padded:
+            # Query rows all share segment 1: like eager, a padded query still
+            # sees the valid keys; padded keys (segment 0) are seen by none.
+            q_seg = torch.ones(batch, q_len, dtype=torch.int32, device=query.device)
+            kv_seg = kv_valid.to(torch.int32)
+
+    out = flash_attention(query, key, value, sinks=sinks, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                          layout="bhsd", causal=causal, window_size=window, softcap=softcap,
+                          softmax_scale=scaling)
+    return out.transpose(1, 2), None
