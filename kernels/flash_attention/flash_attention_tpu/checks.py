@@ -36,7 +36,8 @@ def _shape(x, name):
     return tuple(x.shape)
 
 
-def _window(window_size):
+def window(window_size):
+    """(left, right) from flash-attn's window_size; -1 means unbounded."""
     if window_size is None:
         return -1, -1
     try:
@@ -113,7 +114,7 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
         raise ValueError(f"q: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
     if dv not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"v: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {dv}")
-    left, right = _window(window_size)
+    left, right = window(window_size)
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
         raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
     if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
@@ -160,3 +161,14 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
                     f"{name}: expected nondecreasing offsets from 0 to {total}, got {c.tolist()}"
                 )
     return Problem(b, hq, hkv, sq, skv, d, dv, left, right)
+
+
+def check_max_seqlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Eager check of concrete offsets: max_seqlen bounds the kernel's block
+    schedule, so one smaller than the longest sequence would skip keys."""
+    for name, cu, m, mname in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q"),
+                               ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k")):
+        longest = int(np.max(np.diff(np.asarray(cu)))) if len(cu) > 1 else 0
+        if longest > m:
+            raise ValueError(f"{mname}: expected at least the longest sequence ({longest} tokens "
+                             f"in {name}), got {m}")

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 from . import checks, reference
@@ -213,7 +212,7 @@ def flash_attention(q, k, v, *, sinks=None, q_segment_ids=None, kv_segment_ids=N
     validate.check_same_device(q=q, k=k, v=v, s_aux=sinks, q_segment_ids=q_segment_ids,
                                kv_segment_ids=kv_segment_ids)
     perm = None if layout == "bhsd" else (0, 2, 1, 3)
-    left, right = checks._window(window_size)
+    left, right = checks.window(window_size)
     softcap, softmax_scale = _scalar(softcap), _scalar(softmax_scale)
     if not torch.compiler.is_compiling():
         checks.check_inputs(
@@ -225,16 +224,6 @@ def flash_attention(q, k, v, *, sinks=None, q_segment_ids=None, kv_segment_ids=N
     seg_k = None if kv_segment_ids is None else kv_segment_ids.to(torch.int32)
     return _flash_attention(q, k, v, sinks, seg_q, seg_k, layout, bool(causal), left, right,
                             float(softcap or 0.0), _scale(softmax_scale, q.shape[-1]))
-
-
-def _check_longest(cu_q, cu_k, max_q, max_k):
-    """max_seqlen bounds the kernel's block schedule: too small would skip keys."""
-    for name, cu, m, mname in (("cu_seqlens_q", cu_q, max_q, "max_seqlen_q"),
-                               ("cu_seqlens_k", cu_k, max_k, "max_seqlen_k")):
-        longest = int(np.max(np.diff(cu)))
-        if longest > m:
-            raise ValueError(f"{mname}: expected at least the longest sequence ({longest} tokens "
-                             f"in {name}), got {m}")
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -250,7 +239,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     validate.check_same_device(q=q, k=k, v=v, s_aux=sinks, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k)
     max_q, max_k = _scalar(max_seqlen_q), _scalar(max_seqlen_k)
-    left, right = checks._window(window_size)
+    left, right = checks.window(window_size)
     softcap, softmax_scale = _scalar(softcap), _scalar(softmax_scale)
     # Eager host/TPU tensors: checks.py also checks the offsets' values.
     readable = _readable(cu_seqlens_q) and _readable(cu_seqlens_k)
@@ -262,7 +251,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             softmax_scale=softmax_scale, sinks=None if sinks is None else _Spec(sinks),
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     if readable:
-        _check_longest(cu_q, cu_k, max_q, max_k)
+        checks.check_max_seqlen_values(cu_q, cu_k, max_q, max_k)
     max_q, max_k = int(max_q), int(max_k)
     bucket_k = min(k.shape[0], -(-max_k // MAX_SEQLEN_BUCKET) * MAX_SEQLEN_BUCKET)
     return _flash_attention_varlen(
