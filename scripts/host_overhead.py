@@ -3,8 +3,9 @@
 
 Compares, for the same small input, (a) calling the cached jitted JAX
 function directly on JAX arrays and waiting for the result with
-(b) calling the torch op on torch tensors (dispatcher, DLPack in and out,
-cache lookup, the same jitted function). The difference is what the
+(b) calling the torch op on torch tensors (dispatcher, NumPy view in,
+DLPack out, cache lookup, the same jitted function), and (c) the public
+function (argument checks on top). The difference is what the
 bindings cost per call. A benchmark, not a test: timings depend on the
 machine. Run: `bash scripts/setup.sh && source scripts/env.sh &&
 python scripts/host_overhead.py`.
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
             jitted = op._jitted(impl, (1e-6, False))
             xj, wj = convert.to_jax(x), convert.to_jax(w)
             direct = _time_per_call(lambda: jitted(xj, wj).block_until_ready(), args.calls, args.repeats)
-            via_op = _time_per_call(lambda: op.op(x, w, 1e-6, False), args.calls, args.repeats)
+            via_op = _time_per_call(lambda: op(x, w, 1e-6, False), args.calls, args.repeats)
             public = _time_per_call(lambda: rmsnorm_tpu.rms_norm(x, w, 1e-6), args.calls, args.repeats)
         print(f"{impl:9s}  jitted JAX direct {direct:6.1f} us | torch op {via_op:6.1f} us "
               f"(+{via_op - direct:5.1f}) | public rms_norm {public:6.1f} us (+{public - direct:5.1f})")

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     sweep = [sys.executable, "-m", "bench", "--out", args.out] + ([] if args.full else ["--quick"])
     _say("sweep: " + " ".join(sweep[1:]))
     subprocess.run(sweep, check=True, cwd=ROOT)
-    _say(f"report: {Path(args.out) / 'report.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json")
+    _say(f"report: {Path(args.out) / 'results.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json")
     return 0
 
 

@@ -76,7 +76,14 @@ class JaxOp:
         self.op = getattr(ns_ops, name).default
 
     def __call__(self, *args):
-        return self.op(*args)
+        if torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ) or torch.compiler.is_compiling():
+            return self.op(*args)
+        # Nothing to differentiate: skip the Python autograd kernel that
+        # register_autograd installs (~25 us per call of redispatch overhead).
+        with torch._C._AutoDispatchBelowAutograd():
+            return self.op(*args)
 
     # -- JAX side -----------------------------------------------------------
     def jax_function(self, impl: str) -> Callable[..., Any]:
