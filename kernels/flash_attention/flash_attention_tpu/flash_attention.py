@@ -560,17 +560,21 @@ def _fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
     )(sched, *args)
 
 
-def _dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
-    b, hkv = k.shape[0], k.shape[1]
-    g = prm.geom
+def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
+    """Operands and BlockSpecs shared by the dK/dV and dQ kernels (they differ in walk order)."""
     q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
-        prm, False, batch_meta)
+        prm, outer_is_q, batch_meta)
     args = [q5, k, v, do5, lse, delta]
     specs = [q_spec(prm.head_dim), kv_spec(prm.head_dim), kv_spec(prm.head_dim_v),
              q_spec(prm.head_dim_v), row_spec, row_spec]
     margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
-    args += margs
-    specs += mspecs
+    return args + margs, specs + mspecs, q_spec, kv_spec
+
+
+def _dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
+    b, hkv = k.shape[0], k.shape[1]
+    g = prm.geom
+    args, specs, _, kv_spec = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, False, batch_meta)
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     out_specs = (kv_spec(prm.head_dim), kv_spec(prm.head_dim_v))
     scratch = [
@@ -596,14 +600,7 @@ def _dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta
 def _dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
-    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
-        prm, True, batch_meta)
-    args = [q5, k, v, do5, lse, delta]
-    specs = [q_spec(prm.head_dim), kv_spec(prm.head_dim), kv_spec(prm.head_dim_v),
-             q_spec(prm.head_dim_v), row_spec, row_spec]
-    margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
-    args += margs
-    specs += mspecs
+    args, specs, q_spec, _ = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, True, batch_meta)
     return pl.pallas_call(
         functools.partial(_dq_kernel, prm=prm),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
