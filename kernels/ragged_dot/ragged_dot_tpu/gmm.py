@@ -135,6 +135,14 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit):
     lax.fori_loop(0, n_small, small, 0)
 
 
+def for_each_piece(n_pieces, piece):
+  """Runs piece(c, carry) over the column pieces of a slab (unrolled when one)."""
+  if n_pieces == 1:
+    piece(0, 0)
+  else:
+    lax.fori_loop(0, n_pieces, piece, 0)
+
+
 def _gmm_kernel(ends_ref, goff_ref, lhs_ref, rhs_hbm, out_ref, *rest, m,
                 num_groups, num_local, block_m, block_n, chunk_m, sub,
                 n_blocks, transpose_rhs, compute_dtype, precision, trace):
@@ -244,10 +252,7 @@ def _gmm_kernel(ends_ref, goff_ref, lhs_ref, rhs_hbm, out_ref, *rest, m,
         out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
         return carry
 
-      if n_pieces == 1:
-        piece(0, 0)
-      else:
-        lax.fori_loop(0, n_pieces, piece, 0)
+      for_each_piece(n_pieces, piece)
 
     row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
 

@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from . import tiling
-from .gmm import _local_rows, _shard_rows, row_passes
+from .gmm import _local_rows, _shard_rows, for_each_piece, row_passes
 
 
 def _resolve_config(config, m, k, n, g, dtype, out_dtype):
@@ -125,10 +125,7 @@ def _tgmm_kernel(ends_ref, goff_ref, lhs_ref, grad_ref, out_hbm, acc_ref,
             preferred_element_type=jnp.float32)
         return carry
 
-      if n_pieces == 1:
-        piece(0, 0)
-      else:
-        lax.fori_loop(0, n_pieces, piece, 0)
+      for_each_piece(n_pieces, piece)
 
     row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
 
