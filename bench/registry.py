@@ -89,6 +89,14 @@ def _import(module: str):
     raise Skip(f"import {module} failed: {type(e).__name__}: {e}") from None
 
 
+def _import_attr(module: str, name: str):
+  """module.name, or Skip when the module does not import or lacks it."""
+  mod = _import(module)
+  if not hasattr(mod, name):
+    raise Skip(f"{module} has no {name}")
+  return getattr(mod, name)
+
+
 def _with_generation(fn: Callable, generation: str) -> Callable:
   """Passes the generation when the kernel takes it (its tiling table needs
   it): as generation=, or as config= (ragged_dot_tpu accepts a name there)."""
@@ -110,10 +118,7 @@ def _with_generation(fn: Callable, generation: str) -> Callable:
 
 
 def _ours_moe(point, generation, ctx) -> Built:
-  mod = _import("ragged_dot_tpu.moe")
-  if not hasattr(mod, "moe_experts"):
-    raise Skip("ragged_dot_tpu.moe has no moe_experts yet")
-  op = _with_generation(mod.moe_experts, generation)
+  op = _with_generation(_import_attr("ragged_dot_tpu.moe", "moe_experts"), generation)
 
   def fn(x, w_gate_up, w_down, ids, weights):
     # ADAPT: moe_experts signature. Our weights are [E, in, out].
@@ -125,10 +130,7 @@ def _ours_moe(point, generation, ctx) -> Built:
 
 
 def _ours_ragged_dot(point, generation, ctx) -> Built:
-  mod = _import("ragged_dot_tpu.ragged_dot")
-  if not hasattr(mod, "ragged_dot"):
-    raise Skip("ragged_dot_tpu.ragged_dot has no ragged_dot yet")
-  op = _with_generation(mod.ragged_dot, generation)
+  op = _with_generation(_import_attr("ragged_dot_tpu.ragged_dot", "ragged_dot"), generation)
 
   def gmm(lhs, rhs, sizes):
     return op(lhs, rhs, sizes)  # ADAPT: ragged_dot(lhs, rhs, group_sizes)
@@ -280,12 +282,10 @@ def _xla_dense(point, generation, ctx) -> Built:
 
 
 def _tokamax(point, generation, ctx) -> Built:
-  tk = _import("tokamax")
-  if not hasattr(tk, "ragged_dot"):
-    raise Skip("tokamax has no ragged_dot")
+  tokamax_ragged_dot = _import_attr("tokamax", "ragged_dot")
 
   def gmm(lhs, rhs, sizes):
-    return tk.ragged_dot(lhs, rhs, sizes)
+    return tokamax_ragged_dot(lhs, rhs, sizes)
 
   def fn(x, w_gate_up, w_down, ids, weights):
     return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
@@ -321,12 +321,10 @@ register(Impl("tokamax_ragged_dot", "moe", "tokamax.ragged_dot (if installed)",
 
 
 def _ours_rmsnorm(point, generation, ctx) -> Built:
-  mod = _import("rmsnorm_tpu.kernel")
-  if not hasattr(mod, "rms_norm"):
-    raise Skip("rmsnorm_tpu.kernel has no rms_norm")
+  rms_norm = _import_attr("rmsnorm_tpu.kernel", "rms_norm")
 
   def fn(x, w):
-    return mod.rms_norm(x, w, 1e-6, False, False, generation)  # ADAPT
+    return rms_norm(x, w, 1e-6, False, False, generation)  # ADAPT
 
   return Built(fn, ("ours_rmsnorm", generation), glue_key=("ours_rmsnorm",))
 
@@ -352,10 +350,8 @@ register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsn
 
 
 def _ours_attention(point, generation, ctx) -> Built:
-  mod = _import("flash_attention_tpu.flash_attention")
-  if not hasattr(mod, "flash_attention"):
-    raise Skip("flash_attention_tpu.flash_attention has no flash_attention yet")
-  op = _with_generation(mod.flash_attention, generation)
+  op = _with_generation(_import_attr("flash_attention_tpu.flash_attention", "flash_attention"),
+                        generation)
 
   def fn(q, k, v):
     return op(q, k, v, causal=True)  # ADAPT
