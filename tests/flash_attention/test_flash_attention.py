@@ -273,17 +273,7 @@ def _token_mask(geom, group, q_offset, causal, window, seq_major):
 
 def _visible_blocks(geom, group, q_offset, causal, window, seq_major):
     """Brute-force: which (q block, kv block) pairs have a visible entry."""
-    rows = np.arange(geom.q_rows_total)
-    pos = rows // group + q_offset if seq_major else rows + q_offset
-    kj = np.arange(geom.kv_len)
-    m = np.ones((len(rows), len(kj)), bool)
-    left, right = window
-    if causal:
-        m &= kj[None] <= pos[:, None]
-    if left >= 0:
-        m &= kj[None] >= pos[:, None] - left
-    if right >= 0:
-        m &= kj[None] <= pos[:, None] + right
+    m = _token_mask(geom, group, q_offset, causal, window, seq_major)
     nq, nk = geom.num_q_blocks, geom.num_kv_blocks
     vis = np.zeros((nq, nk), bool)
     full = np.zeros((nq, nk), bool)
