@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
+from torch_bindings import tpu_info
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -27,30 +29,19 @@ class Chip:
 # Pallas TPU pipeline's per-iteration cost (DMA issue + semaphore waits +
 # scalar bookkeeping). It is NOT in today's JAX docs: treat it as an
 # assumption to calibrate (bench/calibration.py compares it with public
-# measurements).
-STEP_OVERHEAD_S = 0.35e-6
+# measurements). Its one home is torch_bindings/tpu_info.py.
+STEP_OVERHEAD_S = tpu_info.GRID_STEP_OVERHEAD_S
 
-CHIPS = {
-    "v5e": Chip(
-        "v5e", 197e12, 819e9, STEP_OVERHEAD_S,
-        "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s HBM per chip "
-        "(1 TensorCore = 1 JAX device). JAX's pallas tpu_info says 1.97e14, 8.2e11.",
-    ),
-    "v6e": Chip(
-        "v6e", 918e12, 1640e9, STEP_OVERHEAD_S,
-        "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 1640 GB/s HBM per chip "
-        "(1 TensorCore = 1 JAX device). JAX's pallas tpu_info says 9.2e14, 1.64e12.",
-    ),
-    "tpu7x": Chip(
-        "tpu7x", 2307e12, 3.7e12, STEP_OVERHEAD_S,
-        "cloud.google.com/tpu/docs/tpu7x (Ironwood): 2307 TFLOP/s bf16 and "
-        "7.37 TB/s HBM per chip, 2 TensorCores per chip, each its own JAX device; "
-        "bandwidth per device ~3.7 TB/s (3.21 TB/s copy measured, tpu-inference "
-        "#3520). The project quotes the chip's 2307 TFLOP/s per device; JAX's "
-        "pallas tpu_info divides it by 2 (1.15e15 per core), so compute-bound "
-        "tpu7x points are optimistic by up to 2x.",
-    ),
-}
+
+def _chip(generation: str) -> Chip:
+  """Per JAX device, from the project's one source of TPU facts (tpu7x: one
+  TensorCore, 1155 TFLOP/s bf16 and 3.7 TB/s, not the per-chip 2307)."""
+  f = tpu_info.facts(generation)
+  return Chip(generation, f.bf16_flops_per_s, f.hbm_bytes_per_s, STEP_OVERHEAD_S,
+              f.source)
+
+
+CHIPS = {g: _chip(g) for g in tpu_info.DEFAULT_GENERATIONS}
 GENERATIONS = tuple(CHIPS)
 
 

@@ -91,18 +91,25 @@ def dispatch(ids, experts: int):
   return order, token, sizes
 
 
+def padded_rows(rows: int, row_multiple: int = 1, min_rows: int = 1) -> int:
+  """Rows a grouped matmul gets: `rows` rounded up to `row_multiple`, and to
+  at least `min_rows`."""
+  return max(_round_up(rows, row_multiple), min_rows)
+
+
 def experts_layer(gmm: Callable, x, w_gate_up, w_down, ids, weights,
-                  row_multiple: int = 1):
+                  row_multiple: int = 1, min_rows: int = 1):
   """The experts layer around a grouped matmul `gmm(lhs, rhs, group_sizes)`.
 
   `row_multiple` pads the sorted rows (with rows of no group) for kernels
-  that need M to be a multiple of their row tile.
+  that need M to be a multiple of their row tile; `min_rows` for kernels that
+  refuse fewer rows (tokamax's Pallas kernel: 128).
   """
   experts = w_gate_up.shape[0]
   order, token, sizes = dispatch(ids, experts)
   rows = token.shape[0]
   xs = x[token]
-  pad = _round_up(rows, row_multiple) - rows
+  pad = padded_rows(rows, row_multiple, min_rows) - rows
   if pad:
     xs = jnp.pad(xs, ((0, pad), (0, 0)))
   h = gmm(xs, w_gate_up, sizes)

@@ -282,15 +282,73 @@ def _xla_dense(point, generation, ctx) -> Built:
 
 
 def _tokamax(point, generation, ctx) -> Built:
-  tokamax_ragged_dot = _import_attr("tokamax", "ragged_dot")
+  """tokamax.ragged_dot x2 with its Pallas TPU kernel forced (off a TPU it
+  would silently run XLA), config as tokamax picks it on `generation`."""
+  from . import walker
+  from .baselines import tokamax_gmm as tk
 
-  def gmm(lhs, rhs, sizes):
-    return tokamax_ragged_dot(lhs, rhs, sizes)
+  try:
+    ver = tk.version()
+  except tk.Unavailable as e:
+    raise Skip(str(e)) from None
+  s = point.shape
+  rows = point.tokens * s.top_k
+  m = moe.padded_rows(rows, 1, tk.MIN_ROWS)
+  dt = jnp.dtype(s.dtype)
+  picked = []
+  for k, n in ((s.hidden, 2 * s.intermediate), (s.intermediate, s.hidden)):
+    if min(k, n) < tk.MIN_ROWS:
+      raise Skip(f"tokamax's Pallas TPU ragged_dot rejects dims < {tk.MIN_ROWS} "
+                 f"(K={k}, N={n}); tokamax.ragged_dot runs XLA there")
+    picked.append(tk.config_for(m, k, n, s.experts, dt, generation))
+  ops = [tk.forced_op(cfg) for cfg, _ in picked]
 
   def fn(x, w_gate_up, w_down, ids, weights):
-    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
+    it = iter(ops)  # gate_up first, then down
 
-  return Built(fn, ("tokamax_ragged_dot",))
+    def gmm(lhs, rhs, sizes):
+      return tk.ragged_dot(lhs, rhs, sizes, op=next(it))
+
+    # emit_pipeline may size itself from the attached chip: answer for the target
+    with walker.pretend_tpu(generation):
+      return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights,
+                               min_rows=tk.MIN_ROWS)
+
+  tiles = tuple((c.tile_m, c.tile_k, c.tile_n, c.input_buffer_count)
+                for c, _ in picked)
+  notes = [f"tokamax {ver} Pallas Mosaic TPU forced; (tile_m, tile_k, tile_n, "
+           f"buffers) gate_up={tiles[0]} ({picked[0][1]}), down={tiles[1]} "
+           f"({picked[1][1]})"]
+  if m > rows:
+    notes.append(f"rows padded {rows} -> {m}: the Pallas kernel rejects M < "
+                 f"{tk.MIN_ROWS}; unpadded, tokamax.ragged_dot falls back to XLA")
+  return Built(fn, ("tokamax_ragged_dot", tiles, m), notes=tuple(notes),
+               glue_key=("experts_layer", m))
+
+
+# transformers' experts weight storage per model: is_transposed=False stores
+# gate_up_proj [E, 2I, H] / down_proj [E, H, I] (Qwen3-MoE, Mixtral, Gemma 4,
+# and the decorator's default); GPT-OSS stores [E, in, out].
+HF_IS_TRANSPOSED = {"gpt-oss-20b": True}
+
+
+def hf_is_transposed(point) -> bool:
+  return HF_IS_TRANSPOSED.get(point.shape.name, False)
+
+
+def _hf_grouped_mm(point, generation, ctx) -> Built:
+  """transformers' default grouped_mm experts path as TorchTPU runs it."""
+  from .baselines import hf_grouped_mm as hf
+
+  is_t = hf_is_transposed(point)
+  notes = ["transformers 5.22.2 grouped_mm_experts_forward; torch._grouped_mm "
+           "-> chlo.ragged_dot (TorchTPU 0.2.0); one XLA program (torch.compile "
+           "form; eager runs each aten op as its own executable)"]
+  if not is_t:
+    notes.append("weights: the point's buffers read as transformers' storage "
+                 "[E, 2I, H] / [E, H, I] and passed as .transpose(-2, -1) views")
+  return Built(hf.bench_program(is_transposed=is_t), ("hf_grouped_mm", is_t),
+               notes=tuple(notes))
 
 
 register(Impl("ours_moe_experts", "moe",
@@ -305,13 +363,21 @@ register(Impl("megablox_default", "moe",
 register(Impl("megablox_best", "moe",
               "JAX megablox gmm, best tiling that compiles (full K,N; largest row tile)",
               _megablox_best))
+register(Impl("hf_grouped_mm", "moe",
+              "transformers' default grouped_mm experts path as TorchTPU lowers it "
+              "(torch._grouped_mm -> chlo.ragged_dot, weights in transformers' "
+              "layout) -- the default path",
+              _hf_grouped_mm, baseline=True))
 register(Impl("xla_ragged_dot", "moe",
-              "jax.lax.ragged_dot x2 (transformers' grouped_mm path in JAX)",
-              _xla_ragged_dot, baseline=True))
+              "jax.lax.ragged_dot x2 with this bench's XLA dispatch/combine, "
+              "weights [E, in, out] (what a JAX user writes)",
+              _xla_ragged_dot))
 register(Impl("xla_dense", "moe",
               "all experts on all tokens (einsum), then mix the top-k",
               _xla_dense))
-register(Impl("tokamax_ragged_dot", "moe", "tokamax.ragged_dot (if installed)",
+register(Impl("tokamax_ragged_dot", "moe",
+              "tokamax 0.0.12 ragged_dot x2, Pallas Mosaic TPU kernel forced "
+              "(gmm_megablox in an emit_pipeline), tokamax's config for the generation",
               _tokamax))
 
 
@@ -393,11 +459,45 @@ def _xla_attention(point, generation, ctx) -> Built:
   return Built(fn, ("xla_attention",))
 
 
+def _jax_splash(point, generation, ctx) -> Built:
+  sp = _import("bench.baselines.splash")
+  _import("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel")
+
+  def fn(q, k, v):
+    return sp.jax_splash(q, k, v)
+
+  b = min(sp.BLOCK, point.seq)
+  return Built(fn, ("jax_splash_attention", b),
+               notes=(f"make_splash_mha, CausalMask, native GQA, blocks "
+                      f"q=kv=kv_compute={b}, q pre-scaled",))
+
+
+def _torch_tpu_splash(point, generation, ctx) -> Built:
+  sp = _import("bench.baselines.splash")
+  _import("torch_tpu._internal.ops.splash_attention")
+
+  def fn(q, k, v):
+    return sp.torch_tpu_splash(q, k, v)
+
+  notes = [f"torch_tpu {sp.torch_tpu_version()} splash_sdpa's JAX function "
+           "(_make_splash_attention_fn: blocks 512, saves logsumexp)"]
+  if point.kv_heads not in (1, point.q_heads):
+    notes.append(f"GQA: K/V repeat_interleave'd {point.kv_heads} -> "
+                 f"{point.q_heads} heads before the kernel, as splash_sdpa does")
+  return Built(fn, ("torch_tpu_splash",), notes=tuple(notes))
+
+
 register(Impl("ours_flash_attention", "attention",
               "flash_attention_tpu.flash_attention.flash_attention", _ours_attention,
               ours=True))
 register(Impl("jax_pallas_flash_attention", "attention",
               "jax.experimental.pallas.ops.tpu.flash_attention (default blocks)",
               _jax_flash))
+register(Impl("jax_splash_attention", "attention",
+              "JAX's splash attention (make_splash_mha, causal mask, native GQA, "
+              "blocks 512)", _jax_splash))
+register(Impl("torch_tpu_splash", "attention",
+              "torch_tpu's splash_sdpa op (its JAX splash function; GQA by "
+              "repeat_interleave of K/V)", _torch_tpu_splash))
 register(Impl("xla_attention", "attention", "softmax(QK^T)V compiled by XLA",
               _xla_attention, baseline=True))

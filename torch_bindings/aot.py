@@ -13,14 +13,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-# Generation name -> topology string understood by libtpu.
-TOPOLOGIES = {
-    "v5e": "v5e:1x1",
-    "v6e": "v6e:1x1",
-    "tpu7x": "tpu7x:1x1x1",
-    "v5p": "v5p:1x1x1",
-}
-DEFAULT_GENERATIONS = ("v5e", "v6e", "tpu7x")
+from . import tpu_info
+
+# Generation name -> topology string understood by libtpu (from tpu_info).
+TOPOLOGIES = {g: tpu_info.topology(g) for g in tpu_info.GENERATIONS}
+DEFAULT_GENERATIONS = tpu_info.DEFAULT_GENERATIONS
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,10 +1,17 @@
 """`kernels benchmark <repo>` workloads for flash-attention-tpu (Llama-3-8B-like heads, scaled down on CPU).
 
-The runner has no TPU synchronisation, so each workload synchronises itself.
+Device: kernels 0.17 runs every workload on the device of the backend it
+detects, and it never detects `tpu` (torch_tpu 0.2 does not set
+`torch.backends.tpu`), so on a TPU host it would time the CPU path. The
+benchmark takes the runner's device and replaces it with `tpu` when torch has
+a TPU accelerator. The runner has no TPU synchronisation either, so each
+workload waits for the TPU (`torch.accelerator.synchronize()`) before it returns.
+
 Each verify_* recomputes the attention in float32 with torch on the host.
 """
 
 import math
+import sys
 
 import torch
 from kernels.benchmark import Benchmark
@@ -12,10 +19,35 @@ from kernels.benchmark import Benchmark
 HQ, HKV, D = 8, 2, 128  # GQA 4:1, head_dim 128
 
 
-def _sync(device: str) -> None:
-    sync = getattr(getattr(torch, "tpu", None), "synchronize", None)
-    if device not in ("cpu", "meta") and sync is not None:
-        sync()
+def tpu_or(device: str) -> str:
+    """`tpu` when torch has a TPU accelerator, else the runner's device."""
+    try:
+        acc = torch.accelerator.current_accelerator(check_available=True)
+    except Exception:  # noqa: BLE001 - no usable accelerator runtime
+        acc = None
+    return "tpu" if acc is not None and acc.type == "tpu" else device
+
+
+def sync(device: str) -> None:
+    """Wait for the device (torch_tpu only allows the public `torch.accelerator` API)."""
+    if device != "cpu":
+        torch.accelerator.synchronize()
+
+
+class _OnTpuWhenAttached:
+    """Mixin (not a Benchmark, so the runner does not collect it): the runner's device, or `tpu`."""
+
+    _device = "cpu"
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @device.setter
+    def device(self, runner_device: str) -> None:
+        self._device = tpu_or(runner_device)
+        if self._device != runner_device:
+            print(f"  (on {self._device}: kernels detected backend {runner_device!r})", file=sys.stderr)
 
 
 def _reference(q, k, v, causal=True, left=-1):
@@ -36,7 +68,7 @@ def _reference(q, k, v, causal=True, left=-1):
     return out.transpose(1, 2)
 
 
-class FlashAttentionBenchmark(Benchmark):
+class FlashAttentionBenchmark(_OnTpuWhenAttached, Benchmark):
     seed = 0
 
     def _qkv(self, b, sq, skv):
@@ -52,7 +84,7 @@ class FlashAttentionBenchmark(Benchmark):
 
     def benchmark_prefill_causal_256(self):
         self.out = self.kernel.flash_attn_func(self.q, self.k, self.v, causal=True)
-        _sync(self.device)
+        sync(self.device)
 
     def verify_prefill_causal_256(self):
         return _reference(self.q, self.k, self.v).to(self.q.dtype).to(self.device)
@@ -63,7 +95,7 @@ class FlashAttentionBenchmark(Benchmark):
 
     def benchmark_decode_4x512(self):
         self.out = self.kernel.flash_attn_func(self.q, self.k, self.v, causal=True)
-        _sync(self.device)
+        sync(self.device)
 
     def verify_decode_4x512(self):
         return _reference(self.q, self.k, self.v).to(self.q.dtype).to(self.device)
@@ -79,7 +111,7 @@ class FlashAttentionBenchmark(Benchmark):
     def benchmark_varlen_sliding_window(self):
         self.out = self.kernel.flash_attn_varlen_func(self.q, self.k, self.v, self.cu, self.cu, 119, 119,
                                                       causal=True, window_size=(63, 0))
-        _sync(self.device)
+        sync(self.device)
 
     def verify_varlen_sliding_window(self):
         outs, start = [], 0

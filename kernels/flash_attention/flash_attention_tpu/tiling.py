@@ -12,9 +12,11 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   triangle; the wasted part is the upper half of each diagonal pair, about
   T * block / 2 of T^2 / 2 useful entries. 512 x 512 keeps that at
   (nb + 1) / nb = 1.06 at T = 8k while each step does ~0.5 GFLOP (several
-  times the 0.35 us step cost on v6e). tpu7x has 2.5x the MXU rate of
-  v6e, so it doubles block_kv to amortise the step cost; its 64 MiB VMEM
-  is why block_q does not grow too. v5e has a quarter of v6e's MXU rate,
+  times the 0.35 us step cost on v6e). tpu7x doubles block_kv to amortise
+  the step cost (chosen when the project took tpu7x's per-chip 2307 TFLOP/s
+  for one device; one device is one TensorCore, 1155 TFLOP/s, 1.26x v6e:
+  torch_bindings/tpu_info.py); its 64 MiB VMEM is why block_q does not grow
+  too. v5e has a quarter of v6e's MXU rate,
   smaller steps already cost far more than 0.35 us, so it keeps 512 x 512
   and 256-wide query blocks for head_dim 256.
 * Stacked rows are capped (`max_rows`): past ~2k rows the f32 logits block
@@ -29,23 +31,23 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
 * Backward blocks are smaller: the dK/dV kernel keeps four rows x block_kv
   f32 temporaries live (s, p, dp, ds).
 
-VMEM budgets are the scoped limits the kernels request (below physical
-capacity: v5e/v6e 128 MiB, tpu7x 64 MiB per TensorCore, leaving room for
-Mosaic's internal scratch).
+VMEM budgets are the scoped limits the kernels request: the project's one
+policy, torch_bindings/tpu_info.py (3/4 of a TensorCore's VMEM: v5e/v6e 96 of
+128 MiB, tpu7x 48 of 64 MiB).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ._torch_bindings import tpu_info
+
+# Generations with a block table (v5p uses tpu7x's: same VMEM).
 GENERATIONS = ("v5e", "v6e", "tpu7x")
 
-MiB = 1 << 20
-VMEM_BUDGET_BYTES = {
-    "v5e": 100 * MiB,
-    "v6e": 100 * MiB,
-    "tpu7x": 48 * MiB,
-}
+MiB = tpu_info.MiB
+# Planning budget == the vmem_limit_bytes each kernel requests (tpu_info's policy).
+VMEM_BUDGET_BYTES = {g: tpu_info.vmem_budget_bytes(g) for g in GENERATIONS}
 
 # Query lengths below this use the decode layout: rows are (position, head)
 # pairs, so a handful of query positions still fill MXU rows.
@@ -125,11 +127,9 @@ def regime(q_len: int) -> str:
 def detect_generation() -> str:
     """The generation whose table to use (torch_bindings' detection: env override, device kind).
 
-    v5p maps to the tpu7x table, whose VMEM budget (64 MiB) it shares.
+    v5p maps to the tpu7x table, whose VMEM (64 MiB per TensorCore) it shares.
     """
-    from ._torch_bindings import backend
-
-    generation = backend.detected_generation()
+    generation = tpu_info.detected_generation()
     return "tpu7x" if generation == "v5p" else generation
 
 

@@ -26,18 +26,19 @@ we pick the one with the lowest modelled time (bytes / HBM bandwidth + 0.35 us
 per step), because for huge K (Mixtral down, K=14336) "widest N" and "tallest
 M" pull in opposite directions: a narrow N slab re-reads lhs once per slab.
 
-Table (block sizes per generation; VMEM capacity from the TPU docs, budget is
-what we let one kernel use, leaving room for Mosaic's internal scratch):
+Table (block sizes per generation). VMEM capacity, the budget and the MXU
+width come from torch_bindings/tpu_info.py, the project's one source of TPU
+facts; the budget is its scoped-VMEM policy (3/4 of a TensorCore's VMEM), and
+every table config requests exactly that as ``vmem_limit_bytes``:
 
-=========  ==========  ======  ========  ==============  =============  =======
-generation VMEM        budget  default   decode_max_rows prefill block_m chunk_m
-                               scoped
-=========  ==========  ======  ========  ==============  =============  =======
-v5e        128 MiB     100 MiB 16 MiB    4096            512             128
-v6e        128 MiB     100 MiB 32 MiB    4096            1024            256
-tpu7x      64 MiB      44 MiB  32 MiB    4096            512             256
-v5p        64 MiB      44 MiB  16 MiB    4096            512             128
-=========  ==========  ======  ========  ==============  =============  =======
+=========  ==========  ======  ==============  =============  =======
+generation VMEM        budget  decode_max_rows prefill block_m chunk_m
+=========  ==========  ======  ==============  =============  =======
+v5e        128 MiB     96 MiB  4096            512             128
+v6e        128 MiB     96 MiB  4096            1024            256
+tpu7x      64 MiB      48 MiB  4096            512             256
+v5p        64 MiB      48 MiB  4096            512             128
+=========  ==========  ======  ==============  =============  =======
 
 ``chunk_m`` is the MXU pass height (the systolic array is 128 deep on v5e/v5p,
 256 on v6e/tpu7x). A group's rows are issued as ``chunk_m``-row passes while
@@ -48,8 +49,8 @@ rows the same way; its blocks are searched with the same budget and model.
 Its row passes are ``TGMM_CHUNK_M`` = 512 rows on every generation: rows are
 its contraction, and each pass re-reads and re-writes the accumulator.
 
-When a block needs more VMEM than the generation's default scoped limit the
-config carries ``vmem_limit_bytes`` (need plus headroom) for CompilerParams.
+A hand-written config that leaves ``vmem_limit_bytes`` unset (its generation
+unknown) gets one derived from its need (``vmem_limit_for``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-MiB = 1024 * 1024
-STEP_OVERHEAD_S = 0.35e-6
+from ._torch_bindings import tpu_info
+
+MiB = tpu_info.MiB
+STEP_OVERHEAD_S = tpu_info.GRID_STEP_OVERHEAD_S
 TGMM_CHUNK_M = 512
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -80,17 +83,24 @@ class Generation:
   peak_flops: float
 
 
+def _generation(name: str, decode_max_rows: int, prefill_block_m: int) -> Generation:
+  """Table entry: hardware facts from tpu_info, block choices from here.
+
+  chunk_m (the MXU pass height) is the MXU width.
+  """
+  f = tpu_info.facts(name)
+  return Generation(name, f.vmem_capacity_bytes, tpu_info.vmem_budget_bytes(name),
+                    f.default_scoped_vmem_bytes, decode_max_rows, prefill_block_m,
+                    f.mxu_width, f.hbm_bytes_per_s, f.bf16_flops_per_s)
+
+
 GENERATIONS = {
-    "v5e": Generation("v5e", 128 * MiB, 100 * MiB, 16 * MiB, 4096, 512, 128,
-                      819e9, 197e12),
-    "v6e": Generation("v6e", 128 * MiB, 100 * MiB, 32 * MiB, 4096, 1024, 256,
-                      1640e9, 918e12),
-    "tpu7x": Generation("tpu7x", 64 * MiB, 44 * MiB, 32 * MiB, 4096, 512, 256,
-                        3.7e12, 2307e12),
-    "v5p": Generation("v5p", 64 * MiB, 44 * MiB, 16 * MiB, 4096, 512, 128,
-                      2765e9, 459e12),
+    "v5e": _generation("v5e", 4096, 512),
+    "v6e": _generation("v6e", 4096, 1024),
+    "tpu7x": _generation("tpu7x", 4096, 512),
+    "v5p": _generation("v5p", 4096, 512),
 }
-DEFAULT_GENERATION = "v6e"
+DEFAULT_GENERATION = tpu_info.DEFAULT_GENERATION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +142,11 @@ class RaggedDotConfig:
 
 def generation_of(device=None) -> str:
   """Generation name of `device` (default: the one torch_bindings detects)."""
-  from ._torch_bindings import backend  # the one detection rule (env override, device kind)
-
   if device is None:
-    return backend.detected_generation()
+    return tpu_info.detected_generation()  # the one rule: env override, device kind
   if getattr(device, "platform", "") != "tpu":
     return DEFAULT_GENERATION
-  return backend.generation_of_kind(device.device_kind)
+  return tpu_info.generation_of_kind(device.device_kind)
 
 
 def get_generation(generation: str | None) -> Generation:
@@ -188,11 +196,10 @@ def _chunk(bm: int, gen: Generation, sub: int) -> int:
   return max(sub, min(gen.chunk_m, round_up(bm, sub)))
 
 
-def _limit(need: int, gen: Generation) -> int | None:
-  if need <= gen.default_scoped_vmem * 3 // 4:
-    return None
-  return int(min(gen.vmem_capacity, max(need * 5 // 4 + 4 * MiB,
-                                        gen.default_scoped_vmem)))
+def _limit(need: int, gen: Generation) -> int:
+  """The scoped VMEM limit a table config requests: tpu_info's policy."""
+  del need  # the table keeps need <= budget, and the limit is the budget
+  return tpu_info.vmem_limit_bytes(gen.name)
 
 
 def piece(block_n: int) -> int:
@@ -325,12 +332,14 @@ def tgmm_config(m: int, k: int, n: int, g: int, dtype, *, out_dtype=None,
 
 
 def vmem_limit_for(cfg_limit: int | None, need: int) -> int | None:
-  """The limit to request: the config's, or one derived from `need` when a
-  hand-written config left it unset and the need passes the smallest default
-  scoped limit of the table (16 MiB on v5e)."""
+  """The limit to request: the config's (tables set tpu_info's policy), or,
+  for a hand-written config that left it unset (generation unknown), none
+  while the need fits 3/4 of the smallest default scoped limit of any
+  generation (16 MiB on v5e/v5p), else the need plus headroom."""
   if cfg_limit is not None:
     return cfg_limit
-  if need <= 12 * MiB:
+  smallest_default = min(f.default_scoped_vmem_bytes for f in tpu_info.TPUS.values())
+  if need <= smallest_default * 3 // 4:
     return None
   return int(need * 5 // 4 + 4 * MiB)
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
-# Scoped-VMEM budget we plan blocks against, and the limit we ask Mosaic for.
-# Physical VMEM: v5e/v6e 128 MiB, tpu7x 64 MiB per TensorCore; the default
-# scoped limits (16 / 32 / 32 MiB) are what a kernel gets without asking.
-VMEM_BUDGET = {
-    "v5e": 14 * 2**20,
-    "v5p": 14 * 2**20,
-    "v6e": 28 * 2**20,
-    "tpu7x": 28 * 2**20,
-}
-VMEM_LIMIT = {"v5e": 16 * 2**20, "v5p": 16 * 2**20, "v6e": 32 * 2**20, "tpu7x": 32 * 2**20}
+from ._torch_bindings import tpu_info
+
+# Scoped-VMEM budget we plan blocks against, and the limit we ask Mosaic for:
+# the project's one policy (torch_bindings/tpu_info.py: 3/4 of a TensorCore's
+# VMEM, the same number for both).
+VMEM_BUDGET = {g: tpu_info.vmem_budget_bytes(g) for g in tpu_info.GENERATIONS}
+VMEM_LIMIT = {g: tpu_info.vmem_limit_bytes(g) for g in tpu_info.GENERATIONS}
 
 # Past ~1 MiB per streamed block the step overhead is <3% of the transfer time
 # on every generation; larger blocks only cost VMEM and pipeline warm-up.
