@@ -12,3 +12,9 @@ import os
 # (tests, other benches) may do so at once, which libtpu's single-process
 # lockfile would otherwise refuse.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# The compiler's schedule and HLO dumps (bench.schedule) must be switched on
+# before libtpu loads, so before anything imports torch_tpu.
+from . import schedule as _schedule  # noqa: E402
+
+_schedule.enable_dumps()

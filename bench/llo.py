@@ -30,8 +30,35 @@ from typing import Iterable
 # 2048 granules; an s32[128] SMEM copy is 16): checked on v5e, v6e and tpu7x
 # dumps by tests/bench/test_llo.py.
 GRANULE_BYTES = 32
-# Branches execute the 4 bundles after them before jumping.
+# How many bundles after a taken branch still execute before it jumps.
+# v5e/v6e: always the next 4 (the compiler pads with empty bundles). tpu7x:
+# the rest of the branch's basic block: the bundles up to the next region start,
+# or to the first non-empty bundle outside the branch's loop depth (up to 8);
+# the empty padding there is not a slot. Both rules were chosen because they
+# are the ones under which the schedules of our kernels move exactly the bytes
+# their jaxprs say and branch only on known predicates
+# (tests/bench/test_llo.py checks this on each generation).
 BRANCH_DELAY_SLOTS = 4
+DELAY_RULE = {"v5e": "fixed4", "v6e": "fixed4", "v5p": "fixed4", "tpu7x": "block"}
+
+
+def delay_slots(bundles: list[Bundle], rule: str) -> list[int]:
+  """Delay slots of the branch in each bundle (0 where there is none)."""
+  out = [0] * len(bundles)
+  for i, bd in enumerate(bundles):
+    if bd.branch is None:
+      continue
+    if rule == "fixed4":
+      out[i] = BRANCH_DELAY_SLOTS
+      continue
+    n = 0
+    for j in range(i + 1, min(i + 9, len(bundles))):
+      nxt = bundles[j]
+      if nxt.starts or nxt.mark in ("LB", "PF") or (nxt.ops and nxt.depth < bd.depth):
+        break
+      n += 1
+    out[i] = n
+  return out
 _MASK = (1 << 32) - 1
 
 
@@ -44,6 +71,7 @@ class Ptr:
 
   base: str
   offset: int = 0
+  scale: int = 0  # log2 of the address unit relative to the allocation's own
 
 
 @dataclasses.dataclass
@@ -64,9 +92,10 @@ class Bundle:
   ops: list
   starts: list  # region numbers starting at this bundle
   branch: Op | None = None
+  mark: str = ""  # LB (loop body), PF (predicated fallthrough), ...
 
 
-_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*(>*)\s*\{")
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:\s*(>*)\s*\{")
 _REGION = re.compile(r"Start(?:/End empty)? region (\d+)")
 _LABEL = re.compile(r"/\*(\w+)=\*/")
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
@@ -170,8 +199,8 @@ def parse(text: str) -> list[Bundle]:
     close = _matching_brace(whole)
     inside, trailer = whole[:close], whole[close + 1:]
     ops = [o for o in (_parse_op(t) for t in _split_top(inside, ";;")) if o]
-    b = Bundle(int(m.group(1), 0), len(m.group(2)), ops,
-               [int(r) for r in _REGION.findall(trailer)])
+    b = Bundle(int(m.group(1), 0), len(m.group(3)), ops,
+               [int(r) for r in _REGION.findall(trailer)], mark=m.group(2) or "")
     for o in ops:
       if o.name == "sbr.rel":
         b.branch = o
@@ -281,8 +310,9 @@ def _signed(v: int) -> int:
 class _Machine:
 
   def __init__(self, bundles: list[Bundle], operands: dict, hbm: HbmModel,
-               max_bundles: int):
+               max_bundles: int, delay_rule: str = "fixed4"):
     self.b = bundles
+    self.delay = delay_slots(bundles, delay_rule)
     self.operands = operands  # index -> list[int] (scalar prefetch values) or None
     self.hbm = hbm
     self.max_bundles = max_bundles
@@ -321,9 +351,9 @@ class _Machine:
     if isinstance(base, int) and all(isinstance(i, int) for i in idx):
       return ("abs", base + sum(idx))
     if isinstance(base, Ptr) and all(isinstance(i, int) for i in idx):
-      return Ptr(base.base, base.offset + sum(_signed(i) for i in idx))
+      return Ptr(base.base, base.offset + sum(_signed(i) for i in idx), base.scale)
     if isinstance(base, int) and len(idx) == 1 and isinstance(idx[0], Ptr):
-      return Ptr(idx[0].base, idx[0].offset + _signed(base))
+      return Ptr(idx[0].base, idx[0].offset + _signed(base), idx[0].scale)
     return None
 
   def pred_ok(self, op: Op):
@@ -353,11 +383,12 @@ class _Machine:
     self.sem_pending[self.sem_key(sem) if sem else ("none",)].append((done, n))
     self.dmas += 1
     self.dma_bytes += nbytes
-    if op.name == "dma.hbm_to_smem":
+    if op.name.endswith("_to_smem"):
       self.copy_to_smem(op, n)
 
   def copy_to_smem(self, op: Op, granules: int):
-    src = self.val(op.named["hbm"]) if "hbm" in op.named else None
+    src_opnd = op.named.get("hbm") or op.named.get("vmem")
+    src = self.val(src_opnd) if src_opnd else None
     dst = self.val(op.named["smem"]) if "smem" in op.named else None
     if not (isinstance(src, Ptr) and src.base.startswith("operand") and isinstance(dst, Ptr)):
       self.notes.add("an SMEM copy from an unknown source")
@@ -367,7 +398,8 @@ class _Machine:
       self.notes.add(f"SMEM copy of {src.base}: values unknown")
       return
     words = granules * GRANULE_BYTES // 4
-    for i, v in enumerate(data[src.offset:src.offset + words]):
+    first = src.offset >> src.scale if src.scale >= 0 else src.offset << -src.scale
+    for i, v in enumerate(data[first:first + words]):
       self.smem[Ptr(dst.base, dst.offset + i)] = int(v) & _MASK
 
   def wait(self, op: Op):
@@ -399,7 +431,7 @@ class _Machine:
     if n.startswith("scalar_lea"):
       base, idx = a[0], (a[1] if len(a) > 1 else 0)
       if isinstance(base, Ptr) and isinstance(idx, int):
-        return Ptr(base.base, base.offset + _signed(idx))
+        return Ptr(base.base, base.offset + _signed(idx), base.scale)
       if isinstance(base, int) and isinstance(idx, int):
         return (base + idx) & _MASK
       return None
@@ -436,6 +468,12 @@ class _Machine:
       if addr is None:
         return None
       return self.smem.get(addr)
+    if n.startswith(("sshll", "sshrl")) and len(a) == 2 and isinstance(a[0], Ptr) \
+        and isinstance(a[1], int):
+      # an address changing units (words <-> bytes) stays the same address
+      sh = a[1] & 31
+      off = a[0].offset << sh if n.startswith("sshll") else a[0].offset >> sh
+      return Ptr(a[0].base, off, a[0].scale + (sh if n.startswith("sshll") else -sh))
     if not ints:
       return None
     x = a[0]
@@ -485,20 +523,13 @@ class _Machine:
     delay = 0
     issued = 0
     while 0 <= pc < nb:
-      if not live[pc]:
+      if not live[pc] and jump_to is None:
         k = next_live[pc]
-        if jump_to is not None:
-          k = min(k, pc + delay)
         step = k - pc
         diff[pc] += 1
         diff[k] -= 1
         issued += step
         self.cycle += step
-        if jump_to is not None:
-          delay -= step
-          if delay == 0:
-            pc, jump_to = jump_to, None
-            continue
         pc = k
         continue
       bd = bundles[pc]
@@ -556,23 +587,33 @@ class _Machine:
           continue
         if op.dst is None:
           continue
+        if n.startswith("int_to_ptr") and op.args and op.args[-1][0] == "reg":
+          # a type cast, not an instruction: it sees a value written in the
+          # same bundle
+          src = op.args[-1][1]
+          fresh = [v for r, v in writes if r == src]
+          writes.append((op.dst, fresh[-1] if fresh else self.regs.get(src)))
+          continue
         writes.append((op.dst, self.alu(op) if ok else None))
       for r, v in writes:
         if r:
           self.regs[r] = v
       if jump_to is not None:  # in a taken branch's delay slots
         delay -= 1
-        if delay == 0:
+        if delay <= 0:
           pc, jump_to = jump_to, None
           continue
       elif branch_taken is not None:
-        jump_to, delay = branch_taken, BRANCH_DELAY_SLOTS
+        if self.delay[pc] == 0:
+          pc = branch_taken
+          continue
+        jump_to, delay = branch_taken, self.delay[pc]
       pc += 1
     counts, c = [], 0
     for d in diff[:nb]:
       c += d
       counts.append(c)
-    loops = _loop_stats(bundles, counts)
+    loops = _loop_stats(bundles, counts, self.delay)
     return Result(self.cycle, issued, self.stall, self.dmas, self.dma_bytes, loops,
                   self.unknown_branches, sorted(self.notes))
 
@@ -588,7 +629,7 @@ def _capacities(bundles: Iterable[Bundle]) -> dict:
   return cap
 
 
-def _loop_stats(bundles: list[Bundle], counts: list[int]) -> list[LoopStat]:
+def _loop_stats(bundles: list[Bundle], counts: list[int], delays: list[int]) -> list[LoopStat]:
   region_at = {}
   for i, bd in enumerate(bundles):
     for r in bd.starts:
@@ -600,7 +641,7 @@ def _loop_stats(bundles: list[Bundle], counts: list[int]) -> list[LoopStat]:
     m = re.search(r"\$region(\d+)", bd.branch.text)
     t = region_at.get(int(m.group(1))) if m else None
     if t is not None and t <= i:
-      spans.append((t, min(i + BRANCH_DELAY_SLOTS, len(bundles) - 1)))
+      spans.append((t, min(i + delays[i], len(bundles) - 1)))
   spans = sorted(set(spans), key=lambda s: (s[1] - s[0]))
   owner = [None] * len(bundles)
   for k, (a, e) in enumerate(spans):  # innermost first
@@ -623,7 +664,7 @@ def _loop_stats(bundles: list[Bundle], counts: list[int]) -> list[LoopStat]:
   return out
 
 
-def simulate(text: str, operands: dict, hbm: HbmModel,
+def simulate(text: str, operands: dict, hbm: HbmModel, generation: str,
              max_bundles: int = 50_000_000) -> Result:
   """Executes one kernel's final bundles.
 
@@ -631,4 +672,4 @@ def simulate(text: str, operands: dict, hbm: HbmModel,
   operands the kernel reads into SMEM or scalar registers (scalar prefetch);
   others may be absent.
   """
-  return _Machine(parse(text), operands, hbm, max_bundles).run()
+  return _Machine(parse(text), operands, hbm, max_bundles, DELAY_RULE[generation]).run()

@@ -22,10 +22,14 @@ libtpu, so import bench first).
 
 from __future__ import annotations
 
+import atexit
+import base64
 import dataclasses
 import glob
+import gzip
 import os
 import re
+import shutil
 import tempfile
 import threading
 
@@ -33,9 +37,8 @@ import numpy as np
 
 from . import llo
 
-_FLAG_DIR = "--xla_jf_dump_to="
-_FLAGS = ("--xla_jf_dump_llo_text=true "
-          "--xla_jf_dump_llo_pass_label_regex=final_bundles")
+_LLO_FLAGS = ("--xla_jf_dump_llo_text=true "
+              "--xla_jf_dump_llo_pass_label_regex=final_bundles")
 
 
 def _libtpu_loaded() -> bool:
@@ -46,25 +49,97 @@ def _libtpu_loaded() -> bool:
     return False
 
 
-def enable_dumps() -> str | None:
-  """Points libtpu's schedule dump at a private folder; returns it.
+_DIR_ENV = "BENCH_DUMP_DIR"
+_PID_ENV = "BENCH_DUMP_PID"
 
-  Returns None when libtpu is already loaded without the dump flags (then no
-  schedule can be read in this process).
+
+def enable_dumps() -> str | None:
+  """Points libtpu's schedule dump and XLA's HLO dump at this process's own
+  folder (worker processes get their own: they clean up as they read).
+
+  Returns the folder, or None when libtpu was loaded without the flags (then
+  no schedule can be read in this process).
   """
-  args = os.environ.get("LIBTPU_INIT_ARGS", "")
-  m = re.search(re.escape(_FLAG_DIR) + r"(\S+)", args)
-  if m:
-    return m.group(1)
+  d = os.environ.get(_DIR_ENV)
+  mine = os.environ.get(_PID_ENV) == str(os.getpid())
+  if d and mine and f"--xla_jf_dump_to={d}/llo" in os.environ.get("LIBTPU_INIT_ARGS", ""):
+    return d
   if _libtpu_loaded():
     return None
-  d = tempfile.mkdtemp(prefix="bench-llo-")
-  os.environ["LIBTPU_INIT_ARGS"] = f"{args} {_FLAG_DIR}{d} {_FLAGS}".strip()
+  d = tempfile.mkdtemp(prefix="bench-dumps-")
+  atexit.register(shutil.rmtree, d, True)
+  os.environ[_DIR_ENV] = d
+  os.environ[_PID_ENV] = str(os.getpid())
+  libtpu = re.sub(r"--xla_jf_dump_to=\S+|" + re.escape(_LLO_FLAGS), "",
+                  os.environ.get("LIBTPU_INIT_ARGS", ""))
+  xla = re.sub(r"--xla_dump_to=\S+|--xla_dump_hlo_as_text", "", os.environ.get("XLA_FLAGS", ""))
+  os.environ["LIBTPU_INIT_ARGS"] = f"{libtpu.strip()} --xla_jf_dump_to={d}/llo {_LLO_FLAGS}".strip()
+  os.environ["XLA_FLAGS"] = f"{xla.strip()} --xla_dump_to={d}/xla --xla_dump_hlo_as_text".strip()
   return d
 
 
 class Unavailable(Exception):
   """No schedule can be read in this process (the message says why)."""
+
+
+_lock = threading.Lock()
+_counter = [0]
+
+
+def new_tag() -> str:
+  """A program name no other compile of this process uses (dump files carry it)."""
+  with _lock:
+    _counter[0] += 1
+    return f"bench{os.getpid()}n{_counter[0]}"
+
+
+@dataclasses.dataclass
+class Dumps:
+  hlo: str | None  # XLA's optimized HLO (estimated cycles per fusion)
+  bundles: str | None  # the Mosaic kernel's final bundles (one kernel programs)
+
+
+def _read(pattern: str, exclude: str = "") -> str | None:
+  files = [f for f in glob.glob(pattern) if not exclude or exclude not in f]
+  if not files:
+    return None
+  with open(max(files, key=os.path.getsize)) as f:
+    return f.read()
+
+
+def collect(tag: str) -> Dumps:
+  """What the compiler dumped for program `tag`; the files are removed."""
+  d = os.environ.get(_DIR_ENV)
+  if not d:
+    return Dumps(None, None)
+  out = Dumps(_read(os.path.join(d, "xla", f"*jit_{tag}.*after_optimizations.txt")),
+              _read(os.path.join(d, "llo", f"*-{tag}.*final_bundles.txt"),
+                    exclude="schedule-analysis"))
+  discard(tag)
+  return out
+
+
+def discard(tag: str) -> None:
+  d = os.environ.get(_DIR_ENV)
+  if not d:
+    return
+  paths = glob.glob(os.path.join(d, "xla", f"*{tag}*")) + glob.glob(os.path.join(d, "llo", "*"))
+  for f in paths:
+    try:
+      if os.path.isdir(f):
+        shutil.rmtree(f, ignore_errors=True)
+      else:
+        os.remove(f)
+    except OSError:
+      pass
+
+
+def pack(text: str) -> str:
+  return base64.b64encode(gzip.compress(text.encode(), 6)).decode()
+
+
+def unpack(packed: str) -> str:
+  return gzip.decompress(base64.b64decode(packed)).decode()
 
 
 # Stated assumptions (see bench/README.md "Scheduled time"): the TensorCore
@@ -99,42 +174,21 @@ class LaunchSchedule:
     return dataclasses.asdict(self)
 
 
-_lock = threading.Lock()
-_counter = [0]
-
-
 def final_bundles(fn, args, generation: str) -> str:
   """Compiles fn(*args) (one pallas_call) for `generation`; returns the
   kernel's final bundle schedule."""
-  from torch_bindings.aot import tpu_compile
+  from . import xla_cost
 
-  d = enable_dumps()
-  if d is None:
+  if enable_dumps() is None:
     raise Unavailable("libtpu was loaded before bench could enable its schedule "
                       "dump; import bench before torch_tpu, or run python -m bench")
-  with _lock:
-    _counter[0] += 1
-    tag = f"llo{os.getpid()}x{_counter[0]}"
-
-  def kernel(*a):
-    return fn(*a)
-
-  kernel.__name__ = tag
-  tpu_compile(kernel, args, generation)
-  files = glob.glob(os.path.join(d, f"*-{tag}.*final_bundles.txt"))
-  try:
-    main = [f for f in files if "schedule-analysis" not in f]
-    if not main:
-      raise Unavailable(f"libtpu wrote no schedule for {tag} in {d}")
-    with open(max(main, key=os.path.getsize)) as f:
-      return f.read()
-  finally:
-    for f in glob.glob(os.path.join(d, f"*-{tag}*")) + glob.glob(os.path.join(d, "*TLP*")) \
-        + glob.glob(os.path.join(d, "*<late-*")):
-      try:
-        os.remove(f)
-      except OSError:
-        pass
+  res = xla_cost.compile_program(fn, args, generation, want_cycles=False,
+                                 want_schedule=True)
+  if not res.ok:
+    raise Unavailable(f"does not compile for {generation}: {res.error}")
+  if not res.schedule:
+    raise Unavailable("libtpu wrote no schedule for this kernel")
+  return unpack(res.schedule)
 
 
 def operand_values(operands) -> dict:
@@ -162,7 +216,7 @@ def hbm_model(generation: str) -> llo.HbmModel:
 
 def run_schedule(text: str, operands: dict, generation: str, name: str = "kernel",
                  max_bundles: int = 50_000_000) -> LaunchSchedule:
-  res = llo.simulate(text, operands, hbm_model(generation), max_bundles)
+  res = llo.simulate(text, operands, hbm_model(generation), generation, max_bundles)
   hz = clock_hz(generation)
   static = len(llo.parse(text))
   hot = [dict(start=l.start, body_bundles=l.body_bundles, iterations=l.iterations,

@@ -36,12 +36,15 @@ class Compiled:
   bytes_accessed: float | None
   estimated_cycles: int | None  # sum over the entry computation's fusions
   seconds: float  # compile wall time on this host
+  schedule: str | None = None  # the Mosaic kernel's final bundles, packed
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+# XLA writes INT64_MAX where it has no estimate (e.g. a custom call).
+_NO_ESTIMATE = (1 << 63) - 1
 
 
 def _entry_cycles(hlo_text: str) -> int | None:
@@ -55,36 +58,43 @@ def _entry_cycles(hlo_text: str) -> int | None:
     return None
   end = hlo_text.find("\n}\n", start)
   body = hlo_text[start:end if end > 0 else None]
-  found = [int(m) for m in _CYCLES.findall(body)]
+  found = [int(m) for m in _CYCLES.findall(body) if int(m) != _NO_ESTIMATE]
   return sum(found) if found else None
 
 
 def compile_program(fn: Callable, args: Sequence[Any], generation: str,
-                    want_cycles: bool = True) -> Compiled:
+                    want_cycles: bool = True, want_schedule: bool = False) -> Compiled:
   """Compiles fn(*args) (args: ShapeDtypeStructs) for `generation`.
 
-  `want_cycles=False` skips printing the optimized HLO, which libtpu cannot
-  do for programs holding a Mosaic custom call (it logs a RET_CHECK error).
+  With the compiler's dumps on (bench.schedule.enable_dumps), also reads the
+  XLA program's estimated cycles and, with `want_schedule`, the final VLIW
+  schedule of its Mosaic kernel (gzip + base64, for bench.schedule).
   """
   import time
 
   from torch_bindings.aot import executable_costs, tpu_compile
 
+  from . import schedule
+
   t0 = time.perf_counter()
+  tag = schedule.new_tag()
+
+  def program(*a):
+    return fn(*a)
+
+  program.__name__ = tag
   try:
-    exe = tpu_compile(fn, list(args), generation)
+    exe = tpu_compile(program, list(args), generation)
   except Exception as e:  # noqa: BLE001 - the compiler raises many types
+    schedule.discard(tag)
     return Compiled(generation, False, _short_error(f"{type(e).__name__}: {e}"), None, None, None,
                     None, time.perf_counter() - t0)
   temp, flops, nbytes = executable_costs(exe)
-  cycles = None
-  if want_cycles:
-    try:
-      cycles = _entry_cycles(exe.as_text())
-    except Exception:  # noqa: BLE001
-      pass
+  dumps = schedule.collect(tag)
+  cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
+  sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
   return Compiled(generation, True, None, temp, flops, nbytes, cycles,
-                  time.perf_counter() - t0)
+                  time.perf_counter() - t0, sched)
 
 
 def _short_error(msg: str) -> str:
@@ -136,12 +146,14 @@ class CompileCache:
     return json.dumps([key, generation], sort_keys=True, default=str)
 
   def get(self, key, generation, fn: Callable, args: Sequence[Any],
-          want_cycles: bool = True) -> Compiled:
+          want_cycles: bool = True, want_schedule: bool = False) -> Compiled:
     k = self._k(key, generation)
     with self._lock:
-      if k in self._mem:
-        return self._mem[k]
-    res = compile_program(fn, args, generation, want_cycles)
+      hit = self._mem.get(k)
+    # A cached result lacking what is asked now (older cache) is compiled again.
+    if hit is not None and (hit.ok is False or not want_schedule or hit.schedule):
+      return hit
+    res = compile_program(fn, args, generation, want_cycles, want_schedule)
     if not res.ok and _TRANSIENT in (res.error or ""):
       return res  # not a property of the program: do not remember it
     with self._lock:

@@ -1,0 +1,2 @@
+"""Baselines a user of this library would otherwise run, as JAX programs for
+the bench sweep (registered in `bench.registry`)."""
