@@ -307,7 +307,6 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
     sizes = np.bincount(ids.ravel(), minlength=128)
     m = tokens * 8
     active = int((sizes > 0).sum())
-    assert active < 128  # some experts are empty: fetching them would show
     for k, n in QWEN3.values():
         cfg = tiling.gmm_config(m, k, n, 128, jnp.bfloat16, generation=generation)
         [launch] = walker.analyze(functools.partial(gmm, config=cfg),
