@@ -54,9 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--jobs", type=int, default=None,
                  help="worker processes (default: 2 if the host has 2+ CPUs)")
-  p.add_argument("--xla-all-generations", action="store_true",
-                 help="compile the XLA part of every program for every generation "
-                 "(default: for v6e only; slower)")
+  p.add_argument("--xla-v6e-only", action="store_true",
+                 help="compile the XLA part of every program for v6e only and reuse "
+                 "it for the other generations (faster; default: each generation)")
+  p.add_argument("--no-schedule", action="store_true",
+                 help="skip the scheduled time (the compiler's VLIW schedule, run); "
+                 "ideal model only")
   p.add_argument("--list", action="store_true", help="list implementations and exit")
   args = p.parse_args(argv)
   custom = [args.experts, args.top_k, args.hidden, args.intermediate]
@@ -122,7 +125,8 @@ def _context(args, gens, cache, read_also):
   return sweep.Context(
       generations=gens, compiles=xla_cost.CompileCache(cache, read_also),
       do_compile=not args.no_compile, measure=sweep.on_tpu(),
-      xla_all_generations=args.xla_all_generations)
+      xla_all_generations=not args.xla_v6e_only,
+      scheduled=not (args.no_schedule or args.no_compile))
 
 
 def _shards(tasks, jobs):
@@ -193,7 +197,7 @@ def _run_parallel(args, argv, tasks, jobs, cache):
     bar.close()
   xla_cost.CompileCache(cache).merge_from(paths)
   records = [None] * len(tasks)
-  timings = {"walk": 0.0, "compile": 0.0}
+  timings = {"walk": 0.0, "compile": 0.0, "schedule": 0.0}
   for out, t in results:
     for i, rec in out:
       records[i] = rec
@@ -244,7 +248,8 @@ def main(argv=None) -> int:
   meta = dict(argv=sys.argv[1:] if argv is None else list(argv), generations=list(gens),
               elapsed_s=elapsed, walk_s=timings["walk"], compile_s=timings["compile"],
               points=len(tasks), jobs=jobs, compiles_cached=ncomp,
-              reference_generation="all" if args.xla_all_generations else "v6e")
+              reference_generation="v6e" if args.xla_v6e_only else "all",
+              schedule_s=timings.get("schedule", 0.0))
   files = report.write_all(args.out, records, sweep.environment(), meta)
   print(f"{len(records)} records in {elapsed:.1f} s with {jobs} job(s) "
         f"(walk {timings['walk']:.1f} s, compile {timings['compile']:.1f} s, summed "

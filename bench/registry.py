@@ -58,6 +58,17 @@ class Built:
   # Programs whose XLA part (everything but the Pallas launches) is the same
   # share this key, so that part is compiled once for all of them.
   glue_key: tuple | None = None
+  # For programs whose inputs are laid out differently from the point's
+  # (transformers' weight storage): maps the point's arguments (arrays or
+  # ShapeDtypeStructs, same layer) to fn's. Use `program_args`.
+  adapt_args: Callable | None = None
+
+
+def program_args(built: Built, args) -> tuple:
+  """The arguments `built.fn` takes, from the point's `walker_args()`,
+  `compile_args()` or `real_args()`."""
+  args = tuple(args)
+  return tuple(built.adapt_args(*args)) if built.adapt_args else args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,10 +356,11 @@ def _hf_grouped_mm(point, generation, ctx) -> Built:
            "-> chlo.ragged_dot (TorchTPU 0.2.0); one XLA program (torch.compile "
            "form; eager runs each aten op as its own executable)"]
   if not is_t:
-    notes.append("weights: the point's buffers read as transformers' storage "
-                 "[E, 2I, H] / [E, H, I] and passed as .transpose(-2, -1) views")
+    notes.append("weights in transformers' storage [E, 2I, H] / [E, H, I], "
+                 "passed as .transpose(-2, -1) views")
   return Built(hf.bench_program(is_transposed=is_t), ("hf_grouped_mm", is_t),
-               notes=tuple(notes))
+               notes=tuple(notes),
+               adapt_args=functools.partial(hf.storage_args, is_transposed=is_t))
 
 
 register(Impl("ours_moe_experts", "moe",

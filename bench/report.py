@@ -16,6 +16,12 @@ def write_json(path: str, records: list, env: dict, meta: dict) -> None:
               default=str)
 
 
+def headline_us(g: dict) -> float | None:
+  """The figure every table and plot shows: scheduled time, or the ideal
+  model's where no schedule could be read (the record says why)."""
+  return g.get("scheduled_us") or g.get("modeled_us")
+
+
 def _cell(g: dict | None) -> str:
   if not g:
     return ""
@@ -23,10 +29,35 @@ def _cell(g: dict | None) -> str:
     return "skip"
   if g.get("status") != "ok":
     return "err"
-  us = g.get("modeled_us")
-  frac = g.get("roofline_fraction")
   mark = "" if g.get("compiles") in (True, None) else "✗ "
-  return f"{mark}{us:,.1f} ({1 / frac:.1f}×)" if frac else f"{mark}{us:,.1f}"
+  ideal = g.get("modeled_us")
+  sched = g.get("scheduled_us")
+  roof = g.get("roofline_us")
+  if sched is None:
+    x = f" ({ideal / roof:.2f}×)" if roof else ""
+    return f"{mark}ideal {ideal:,.1f}{x}"
+  x = f" ({sched / roof:.2f}×)" if roof else ""
+  return f"{mark}{sched:,.1f}{x} · ideal {ideal:,.0f}"
+
+
+def _stall_us(g: dict, gen: str) -> str:
+  from . import schedule
+
+  cyc = [l["schedule"]["stall_cycles"] for l in g.get("launches", []) if l.get("schedule")]
+  return f"{sum(cyc) / schedule.clock_hz(gen) * 1e6:,.1f}" if cyc else ""
+
+
+def _binding(g: dict) -> str:
+  """Slot class binding the hottest loop of the costliest launch."""
+  best = None
+  for l in g.get("launches", []):
+    s = l.get("schedule")
+    if s and s.get("hot_loops") and (best is None or s["seconds"] > best["seconds"]):
+      best = s
+  if not best:
+    return ""
+  h = best["hot_loops"][0]
+  return f"{best['name']}: {h['binding']} ({h['body_bundles']} bundles, floor {h['floor_bundles']:.0f}) ×{h['iterations']}"
 
 
 def _impl_order(records: Iterable[dict]) -> list[str]:
@@ -53,20 +84,27 @@ _POINT_COLS = {
 
 
 def markdown(records: list, env: dict, meta: dict) -> str:
+  from . import schedule
+
   out = ["# Modeled TPU performance", ""]
   out.append(
-      "Time model: Pallas launches = max(HBM bytes / BW, MXU flops / peak) + "
-      "grid steps × step overhead, from a walk of each launch's grid "
-      "(bench/walker.py); XLA parts = roofline of the TPU compiler's cost "
-      "analysis. Cells: modeled µs (× the roofline). ✗ = does not compile "
-      "for that generation (the model is still shown). "
-      "`measured` columns are filled only on a real TPU.")
+      "Headline: **scheduled time**. Each Pallas launch is compiled for the "
+      "generation and the TPU compiler's final VLIW bundle schedule is executed "
+      "with the launch's own scalar-prefetch values (bench/llo.py): bundles "
+      "issued + cycles stalled on DMA waits (one HBM pipe at the device's "
+      "bandwidth, a fixed latency per DMA), over the assumed clock. XLA parts "
+      "are charged the compiler's estimated cycles, never less than their "
+      "roofline. Cells: scheduled µs (× roofline) · ideal µs, the ideal model "
+      "being max(bytes / BW, flops / peak) + grid steps × step overhead. "
+      "✗ = does not compile for that generation. `measured` columns are "
+      "filled only on a real TPU.")
   out.append("")
-  out.append("| generation | bf16 TFLOP/s | HBM GB/s | step overhead µs |")
-  out.append("|---|---|---|---|")
+  out.append("| generation | bf16 TFLOP/s | HBM GB/s | clock GHz (assumed) | DMA latency µs (assumed) | step overhead µs (ideal model) |")
+  out.append("|---|---|---|---|---|---|")
   for c in model.CHIPS.values():
     out.append(f"| {c.name} | {c.peak_flops / 1e12:.0f} | "
-               f"{c.hbm_bytes_per_s / 1e9:.0f} | {c.step_overhead_s * 1e6:.2f} |")
+               f"{c.hbm_bytes_per_s / 1e9:.0f} | {schedule.clock_hz(c.name) / 1e9:.2f} | "
+               f"{schedule.DMA_LATENCY_S * 1e6:.2f} | {c.step_overhead_s * 1e6:.2f} |")
   out.append("")
   out.append(f"Environment: jax {env.get('jax')}, libtpu {env.get('libtpu')}, "
              f"backend {env.get('backend')}, {meta.get('elapsed_s', 0):.0f} s "
@@ -83,7 +121,7 @@ def markdown(records: list, env: dict, meta: dict) -> str:
       table.setdefault(_point_key(r), {})[r["impl"]] = r
     cols = _POINT_COLS[kernel]
     for gen in gens:
-      out.append(f"## {kernel} — {gen}: modeled µs (× roofline)")
+      out.append(f"## {kernel} — {gen}: scheduled µs (× roofline) · ideal µs")
       out.append("")
       out.append("| " + " | ".join(cols + ["roofline µs"] + impls) + " |")
       out.append("|" + "---|" * (len(cols) + 1 + len(impls)))
@@ -102,8 +140,8 @@ def markdown(records: list, env: dict, meta: dict) -> str:
     out.append("")
     out.append("| " + " | ".join(cols) + " | impl | HBM bytes / min | issued / "
                "useful flops | grid steps | compiles (" + ", ".join(gens)
-               + ") | DMA issues | µs if each DMA were a step | measured µs |")
-    out.append("|" + "---|" * (len(cols) + 8))
+               + ") | DMA issues | DMA stall µs | hottest loop: binding slot | measured µs |")
+    out.append("|" + "---|" * (len(cols) + 9))
     for key, row in table.items():
       for impl in impls:
         r = row.get(impl)
@@ -120,8 +158,8 @@ def markdown(records: list, env: dict, meta: dict) -> str:
         out.append("| " + " | ".join(str(r[c]) for c in cols)
                    + f" | {impl} | {g['bytes_over_min']:.2f} | "
                    f"{g['flops_over_useful']:.2f} | {g.get('pallas_steps', 0)} | "
-                   f"{comp} | {g.get('dma_issues', 0)} | "
-                   f"{g.get('modeled_us_dma_as_steps', 0):,.1f} | "
+                   f"{comp} | {g.get('dma_issues', 0)} | {_stall_us(g, gen)} | "
+                   f"{_binding(g)} | "
                    f"{'' if meas is None else f'{meas:.1f}'} |")
     out.append("")
     skipped = {(r["impl"], g.get("reason")) for r in recs
@@ -158,7 +196,8 @@ def plots(out_dir: str, records: list, gens: list) -> list[str]:
     for ax, gen in zip(axes[0], gens):
       for impl in impls:
         for routing, ls in styles.items():
-          pts = sorted((r["tokens"], r["per_generation"][gen].get("tokens_per_s"))
+          pts = sorted((r["tokens"], r["per_generation"][gen].get("scheduled_tokens_per_s")
+                        or r["per_generation"][gen].get("tokens_per_s"))
                        for r in recs if r["impl"] == impl and r["routing"] == routing
                        and r["per_generation"].get(gen, {}).get("status") == "ok")
           pts = [(t, v) for t, v in pts if v]
@@ -174,7 +213,7 @@ def plots(out_dir: str, records: list, gens: list) -> list[str]:
       ax.set_xscale("log", base=2)
       ax.set_yscale("log")
       ax.set_xlabel("tokens")
-      ax.set_ylabel("modeled tokens/s per MoE layer")
+      ax.set_ylabel("scheduled tokens/s per MoE layer")
       ax.set_title(f"{m} — {gen}")
       ax.grid(alpha=0.3, which="both")
     if axes[0][-1].get_legend_handles_labels()[0]:
@@ -207,7 +246,7 @@ def plots(out_dir: str, records: list, gens: list) -> list[str]:
               b = basemap.get((routing, r["tokens"]), {}).get(
                   "per_generation", {}).get(gen, {})
               if g.get("status") == "ok" and b.get("status") == "ok":
-                pts.append((r["tokens"], b["modeled_us"] / g["modeled_us"]))
+                pts.append((r["tokens"], headline_us(b) / headline_us(g)))
             if pts:
               pts.sort()
               lw = 2.2 if any(r.get("ours") for r in recs if r["impl"] == impl) else 1

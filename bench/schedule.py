@@ -142,17 +142,16 @@ def unpack(packed: str) -> str:
   return gzip.decompress(base64.b64decode(packed)).decode()
 
 
-# Stated assumptions (see bench/README.md "Scheduled time"): the TensorCore
-# clock is not published; these are the compiler's own peak (cost-analysis
-# flops / optimal seconds of a large matmul) divided by the MXU flops per
-# cycle. DMA latency: the time from a DMA's last byte to its semaphore,
-# calibrated on tpu-inference #3520 (bench/calibration.py).
-CLOCK_HZ = {"v5e": 1.5e9, "v6e": 1.75e9, "tpu7x": 1.9e9, "v5p": 1.75e9}
+# Stated assumption (see bench/README.md "Scheduled time"): the time from a
+# DMA's last byte to its semaphore, calibrated on tpu-inference #3520
+# (bench/calibration.py). The clock is torch_bindings.tpu_info's (assumed).
 DMA_LATENCY_S = 0.5e-6
 
 
 def clock_hz(generation: str) -> float:
-  return CLOCK_HZ[generation]
+  from torch_bindings import tpu_info
+
+  return tpu_info.facts(generation).clock_hz
 
 
 @dataclasses.dataclass(frozen=True)

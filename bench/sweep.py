@@ -17,6 +17,7 @@ import numpy as np
 
 from . import model
 from . import registry
+from . import schedule
 from . import walker
 from . import xla_cost
 
@@ -33,19 +34,46 @@ class Context:
   # between them (layout padding), while a prefill-size sort alone takes
   # several seconds to compile.
   reference_generation: str = "v6e"
-  xla_all_generations: bool = False
+  xla_all_generations: bool = True
+  # Scheduled time (bench.schedule): each Pallas launch's compiled VLIW
+  # schedule, executed with the launch's scalar-prefetch values.
+  scheduled: bool = True
+  schedules: dict = dataclasses.field(default_factory=dict)
   walks: dict = dataclasses.field(default_factory=dict)
   rests: dict = dataclasses.field(default_factory=dict)
   timings: dict = dataclasses.field(default_factory=lambda: {"walk": 0.0,
                                                                "compile": 0.0})
 
-  def compile(self, key, generation, fn, args,
-              want_cycles: bool = False) -> xla_cost.Compiled:
+  def compile(self, key, generation, fn, args, want_cycles: bool = False,
+              want_schedule: bool = False) -> xla_cost.Compiled:
     t = time.perf_counter()
     try:
-      return self.compiles.get(key, generation, fn, args, want_cycles)
+      return self.compiles.get(key, generation, fn, args, want_cycles, want_schedule)
     finally:
       self.timings["compile"] += time.perf_counter() - t
+
+  def gate_and_schedule(self, launch, generation):
+    """(compile result, LaunchSchedule or None, why not) of one launch: the
+    compile gate and the schedule come from the same compile."""
+    kfn, kargs = walker.launch_program(launch)
+    sig = walker.launch_signature(launch)
+    comp = self.compile(("kernel", sig), generation, kfn, kargs,
+                        want_schedule=self.scheduled)
+    if not self.scheduled:
+      return comp, None, "scheduled time disabled"
+    if not comp.ok:
+      return comp, None, "does not compile"
+    if not comp.schedule:
+      return comp, None, ("no schedule: the compiler dump is off in this process "
+                          "(libtpu loaded before bench)")
+    values = schedule.operand_values(launch.operands)
+    key = (sig, generation, hash(tuple((k, tuple(v)) for k, v in sorted(values.items()))))
+    if key not in self.schedules:
+      t = time.perf_counter()
+      self.schedules[key] = schedule.run_schedule(
+          schedule.unpack(comp.schedule), values, generation, launch.name)
+      self.timings["schedule"] = self.timings.get("schedule", 0.0) + time.perf_counter() - t
+    return comp, self.schedules[key], None
 
   def compile_kernels(self, fn, args, generation) -> xla_cost.Compiled:
     """Compile gate of every pallas_call fn(*args) makes, each on its own
@@ -167,19 +195,28 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     g["pallas_us"] = pallas_s * 1e6
 
     # Compile gate of each Pallas kernel on this generation (Mosaic compiles
-    # every pallas_call on its own, so compiling it alone is the same check).
+    # every pallas_call on its own, so compiling it alone is the same check),
+    # and from the same compile, its final schedule, executed.
     g["compiles"] = None
+    sched_s = 0.0
+    sched_missing = None
     if ctx.do_compile and raw:
       gates = []
-      for l in raw:
-        kfn, kargs = walker.launch_program(l)
-        gates.append(ctx.compile(("kernel", walker.launch_signature(l)), gen,
-                                 kfn, kargs))
+      for l, lj in zip(raw, g["launches"]):
+        comp, sch, why = ctx.gate_and_schedule(l, gen)
+        gates.append(comp)
+        if sch is None:
+          sched_missing = sched_missing or why
+        else:
+          sched_s += sch.seconds
+          lj["schedule"] = sch.to_json()
       g["kernel_compile_s"] = sum(r.seconds for r in gates)
       g["compiles"] = all(r.ok for r in gates)
       g["compile_error"] = next((r.error for r in gates if not r.ok), None)
       temps = [r.temp_bytes for r in gates if r.temp_bytes is not None]
       g["temp_bytes"] = max(temps) if temps else None
+    elif raw:
+      sched_missing = "compile disabled"
 
     # The XLA part: the compiler's analysis of the whole program minus what it
     # attributes to the Pallas custom calls (their declared CostEstimate).
@@ -191,13 +228,14 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
       share = ((built.glue_key, point.compile_key, xgen)
                if built.glue_key and launches else None)
       if share is not None and share in ctx.rests:
-        rest_flops, rest_bytes, source = ctx.rests[share]
+        rest_flops, rest_bytes, source, est_cycles = ctx.rests[share]
         have_rest = True
         g["xla_part_from"] = source
+        g["xla_estimated_cycles"] = est_cycles
       else:
         comp = ctx.compile(("program", built.key, point.compile_key), xgen,
-                           built.fn, point.compile_args(), want_cycles=not launches)
-        g["xla_estimated_cycles"] = comp.estimated_cycles
+                           built.fn, point.compile_args(), want_cycles=True)
+        g["xla_estimated_cycles"] = est_cycles = comp.estimated_cycles
         g["compiler_flops"] = comp.flops
         g["compiler_bytes"] = comp.bytes_accessed
         if not launches:
@@ -221,7 +259,7 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                   f"{floor:.3g}; using inputs+outputs")
               rest_bytes = float(floor)
           if share is not None:
-            ctx.rests[share] = (rest_flops, rest_bytes, impl.name)
+            ctx.rests[share] = (rest_flops, rest_bytes, impl.name, est_cycles)
     if not launches and not have_rest:
       g.update(status="error", reason="XLA program: no compiler cost ("
                + ("did not compile" if ctx.do_compile else "compile disabled")
@@ -230,6 +268,18 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     xla_s = model.xla_time_s(rest_bytes, rest_flops, gen)
     total = pallas_s + xla_s
     g["xla_us"] = xla_s * 1e6
+    # Scheduled: the XLA part is charged the compiler's estimated cycles
+    # (sum over the entry computation's fusions that carry one), never less
+    # than its roofline (sorts, gathers and scatters carry no estimate).
+    est = g.get("xla_estimated_cycles") if g.get("xla_compiled_for") == gen else None
+    xla_sched_s = max(xla_s, (est or 0) / schedule.clock_hz(gen))
+    g["xla_scheduled_us"] = xla_sched_s * 1e6
+    if raw and sched_missing:
+      g["scheduled_us"] = None
+      g["scheduled_missing"] = sched_missing
+    else:
+      g["scheduled_us"] = (sched_s + xla_sched_s) * 1e6
+      g["pallas_scheduled_us"] = sched_s * 1e6
     g["xla_bytes"] = rest_bytes
     g["xla_flops"] = rest_flops
     g["hbm_bytes"] = pallas_bytes + rest_bytes
@@ -244,6 +294,9 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     g["flops_over_useful"] = g["issued_flops"] / max(rec["useful_flops"], 1)
     g["roofline_fraction"] = roof / total if total > 0 else None
     g["tokens_per_s"] = point.tokens / total if total > 0 else None
+    sch = g["scheduled_us"]
+    g["scheduled_over_roofline"] = sch / (roof * 1e6) if sch and roof > 0 else None
+    g["scheduled_tokens_per_s"] = point.tokens / (sch * 1e-6) if sch else None
     g["measured_us"] = None
     if ctx.measure and gen == _attached_generation():
       try:

@@ -48,17 +48,15 @@ _NO_ESTIMATE = (1 << 63) - 1
 
 
 def _entry_cycles(hlo_text: str) -> int | None:
-  """Sum of estimated_cycles of the instructions in the ENTRY computation.
+  """Sum of the estimated_cycles XLA's TPU cost model wrote into the
+  optimized module, over every instruction that carries one.
 
-  Nested computations carry their own (inner) estimates; only the top-level
-  instructions are what the TPU executes one after another.
+  They sit on fusions, often inside the computations the entry calls (async
+  wrappers, scatter offloads), so the whole module is read, not just ENTRY.
+  Sorts, gathers and copies usually carry none: the sweep never charges an
+  XLA part less than its roofline.
   """
-  start = hlo_text.find("\nENTRY ")
-  if start < 0:
-    return None
-  end = hlo_text.find("\n}\n", start)
-  body = hlo_text[start:end if end > 0 else None]
-  found = [int(m) for m in _CYCLES.findall(body) if int(m) != _NO_ESTIMATE]
+  found = [int(m) for m in _CYCLES.findall(hlo_text) if int(m) != _NO_ESTIMATE]
   return sum(found) if found else None
 
 

@@ -106,40 +106,39 @@ def experts_forward(hidden_states, gate_up_proj, down_proj, top_k_index,
   return final.astype(hidden_states.dtype)
 
 
+
+def _storage(a, perm):
+  if isinstance(a, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(tuple(a.shape[p] for p in perm), a.dtype)
+  return jnp.transpose(a, perm)
+
+
+def storage_args(x, w_gate_up, w_down, ids, weights, is_transposed: bool = False):
+  """The bench's inputs (weights [E, in, out]) as transformers holds them:
+  for `is_transposed=False` models gate_up_proj [E, 2I, H] and down_proj
+  [E, H, I] (the same layer). Works on ShapeDtypeStructs (the program's
+  parameter shapes for tracing and compiling) and on arrays."""
+  if not is_transposed:
+    w_gate_up, w_down = _storage(w_gate_up, (0, 2, 1)), _storage(w_down, (0, 2, 1))
+  return x, w_gate_up, w_down, ids, weights
+
+
 def bench_program(is_transposed: bool = False):
-  """The experts layer on the bench's inputs (x, w_gate_up [E, H, 2I],
-  w_down [E, I, H], ids, weights) with transformers' operand layouts.
+  """fn(x, gate_up_proj, down_proj, top_k_index, top_k_weights) with the
+  weights in transformers' storage layout (`storage_args`): the compiled
+  program's weight parameters are then transformers' arrays, and the
+  `.transpose(-2, -1)` views are real transposes for XLA to deal with. (Giving
+  it the bench's [E, in, out] arrays and transposing twice would let XLA
+  cancel both; reshaping them to transformers' shape is not free on TPU,
+  whose tiled layouts make that reshape a copy.)"""
 
-  For `is_transposed=False` models the weight buffers are read as
-  transformers' storage: w_gate_up's bytes as [E, 2I, H] and w_down's as
-  [E, H, I] (a reshape of a row-major array: free, no data moves), which the
-  program then passes as `.transpose(-2, -1)` views, exactly as transformers
-  does. So the compiled program has transformers' parameter layouts; the
-  layer it computes is the one whose weights are
-  `swapaxes(w.reshape(E, out, in), -2, -1)` (what `storage_weights` returns),
-  which the numerics test checks. (Transposing the bench's [E, in, out]
-  arrays instead would let XLA cancel the two transposes and hide the
-  layout transformers actually hands the compiler.)
-  """
-
-  def fn(x, w_gate_up, w_down, ids, weights):
-    gu, d = w_gate_up, w_down
-    if not is_transposed:
-      e, h, n2 = w_gate_up.shape
-      _, i, _ = w_down.shape
-      gu = w_gate_up.reshape(e, n2, h)
-      d = w_down.reshape(e, h, i)
-    return experts_forward(x, gu, d, ids, weights, is_transposed=is_transposed)
+  def fn(x, gate_up_proj, down_proj, ids, weights):
+    if not is_transposed and gate_up_proj.shape[-1] != x.shape[-1]:
+      raise ValueError(
+          "hf_grouped_mm takes transformers' weight layout (gate_up_proj "
+          f"[E, 2I, H], H={x.shape[-1]}), got {gate_up_proj.shape}: pass the "
+          "point's arguments through bench.registry.program_args(built, args)")
+    return experts_forward(x, gate_up_proj, down_proj, ids, weights,
+                           is_transposed=is_transposed)
 
   return fn
-
-
-def storage_weights(w_gate_up, w_down, is_transposed: bool = False):
-  """The [E, in, out] weights of the layer `bench_program` computes from the
-  bench's buffers (for checking it against a reference)."""
-  if is_transposed:
-    return w_gate_up, w_down
-  e, h, n2 = w_gate_up.shape
-  _, i, _ = w_down.shape
-  return (jnp.swapaxes(w_gate_up.reshape(e, n2, h), -2, -1),
-          jnp.swapaxes(w_down.reshape(e, h, i), -2, -1))
