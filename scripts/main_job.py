@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,19 +34,70 @@ def _say(msg: str) -> None:
 
 
 def device() -> str:
+    """"tpu" when torch has a TPU accelerator (torch_tpu allows only the public
+    `torch.accelerator` API: `torch.tpu.is_available()` raises even on a TPU host)."""
     import torch
 
-    tpu = getattr(torch, "tpu", None)
     try:
-        if tpu is not None and tpu.is_available() and tpu.device_count() > 0:
-            return "tpu"
-    except Exception:  # noqa: BLE001 - torch_tpu without a chip raises here
-        pass
-    return "cpu"
+        acc = torch.accelerator.current_accelerator(check_available=True)
+    except Exception:  # noqa: BLE001 - no usable accelerator runtime
+        acc = None
+    return "tpu" if acc is not None and acc.type == "tpu" else "cpu"
+
+
+def quiet_libraries() -> None:
+    """Progress bars of tiny local models and kernelize's expected notices are not news here."""
+    import logging
+
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as tf_logging
+
+    disable_progress_bars()
+    tf_logging.disable_progress_bar()
+    # kernelize logs, for every hub layer we did not map (rotary_pos_emb, SiLU), that it keeps
+    # the original forward: expected, since only RMSNorm is mapped.
+    logging.getLogger("kernels.layer.layer").setLevel(logging.ERROR)
+
+
+_BAR = re.compile(rb"bench( x\d+)?:[^\]]*\]")
+
+
+def run_sweep(cmd: list[str], log_path: Path) -> None:
+    """Run the sweep with its stderr in `log_path`; only its progress bar reaches the terminal.
+
+    The sweep's workers compile for TPUs that are not attached: libtpu logs
+    its host probing, and the compiler logs internal errors with stack traces
+    for programs it still compiles; none of that is a failure (the sweep's
+    exit status is). On failure the log's tail is printed.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
+    shown, pending = False, b""
+    with open(log_path, "wb") as log:
+        for chunk in iter(lambda: proc.stderr.read1(65536), b""):
+            log.write(chunk)
+            *parts, pending = re.split(rb"[\r\n]", pending + chunk)
+            # tqdm's line ("bench x2:  50%|...| 14/28 [03:35<05:37, 24.09s/pt]"), without whatever
+            # a worker wrote right after it on the same line.
+            bars = [m.group(0) for m in map(_BAR.match, parts) if m]
+            if bars:
+                sys.stderr.write("\r" + bars[-1].decode(errors="replace"))
+                sys.stderr.flush()
+                shown = True
+        log.write(pending)
+    if shown:
+        sys.stderr.write("\n")
+    rc = proc.wait()
+    lines = log_path.read_bytes().decode(errors="replace").splitlines()
+    if rc != 0:
+        sys.stderr.write("\n".join(lines[-60:]) + "\n")
+        raise SystemExit(f"the sweep failed (exit {rc}); its full log: {log_path}")
+    _say(f"sweep log (compiler and worker messages, {len(lines)} lines): {log_path}")
 
 
 def build(out: Path) -> dict[str, Path]:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)], check=True)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)], check=True,
+                   stdout=subprocess.DEVNULL)
     lib = tomllib.loads((ROOT / "build.toml").read_text())["library"]
     repos = {}
     for folder in lib["kernels"]:
@@ -60,10 +112,11 @@ def load_all(repos: dict[str, Path]):
     from kernels import get_kernel
 
     loaded = {}
-    for repo_id in repos:
+    for repo_id, path in repos.items():
         k = get_kernel(repo_id, version=1, trust_remote_code=[repo_id])
         loaded[repo_id.split("/", 1)[1]] = k
-        _say(f"get_kernel({repo_id!r}, version=1) -> module {k.__name__}, exports {', '.join(k.__all__)}")
+        _say(f"built {path}; get_kernel({repo_id!r}, version=1) -> {k.__name__} "
+             f"({', '.join(k.__all__)})")
     return loaded
 
 
@@ -136,6 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="full sweep instead of the quick one")
     args = p.parse_args(argv)
 
+    quiet_libraries()
     dev = device()
     if dev == "cpu":
         _say("no TPU on this machine: kernels run through JAX on the CPU (Pallas interpret mode); "
@@ -148,7 +202,7 @@ def main(argv=None) -> int:
     run_moe(loaded, dev)
     sweep = [sys.executable, "-m", "bench", "--out", args.out] + ([] if args.full else ["--quick"])
     _say("sweep: " + " ".join(sweep[1:]))
-    subprocess.run(sweep, check=True, cwd=ROOT)
+    run_sweep(sweep, Path(args.out) / "sweep.log")
     _say(f"report: {Path(args.out) / 'results.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json")
     return 0
 
