@@ -14,6 +14,8 @@ from jax.experimental.pallas import tpu as pltpu
 from bench import moe, points, registry, walker
 
 TINY = moe.MoeShape("tiny", experts=4, top_k=2, hidden=256, intermediate=128)
+# H != 2I, so a transposed weight cannot pass for the untransposed one.
+TINY_I = moe.MoeShape("tiny-i", experts=4, top_k=2, hidden=256, intermediate=384)
 # GPT-OSS's name selects transformers' is_transposed=True storage.
 TINY_T = moe.MoeShape("gpt-oss-20b", experts=4, top_k=2, hidden=256, intermediate=128)
 
@@ -50,27 +52,22 @@ def _run(name, point, generation="v6e", tpu_interpret=True):
   TPU interpret mode unless the test switched the module's own interpret
   flag (splash)."""
   built = registry.REGISTRY[name].build(point, generation, None)
+  args = registry.program_args(built, point.real_args())
   if not tpu_interpret:
-    return built, jax.jit(built.fn)(*point.real_args())
+    return built, jax.jit(built.fn)(*args)
   with pltpu.force_tpu_interpret_mode():
-    return built, jax.jit(built.fn)(*point.real_args())
+    return built, jax.jit(built.fn)(*args)
 
 
 # (xla_dense is left out: the CPU runtime of this jaxlib cannot run its
 # bf16 x bf16 -> f32 einsum, "Unsupported element type for DotThunk".)
 @pytest.mark.parametrize("impl", ["hf_grouped_mm", "xla_ragged_dot",
                                   "megablox_default"])
-@pytest.mark.parametrize("tokens", [8, 48])
-def test_moe_baseline_matches_reference(impl, tokens):
-  point = moe.MoePoint(TINY, tokens, "zipf")
-  built, out = _run(impl, point)
-  x, wgu, wd, ids, w = point.real_args()
-  if impl == "hf_grouped_mm":
-    # the program reads the weight buffers as transformers' [E, out, in]
-    from bench.baselines import hf_grouped_mm as hf
-
-    wgu, wd = hf.storage_weights(wgu, wd)
-  _close(out, moe_reference(x, wgu, wd, ids, w))
+@pytest.mark.parametrize("shape,tokens", [(TINY, 8), (TINY_I, 48)])
+def test_moe_baseline_matches_reference(impl, shape, tokens):
+  point = moe.MoePoint(shape, tokens, "zipf")
+  _, out = _run(impl, point)
+  _close(out, moe_reference(*point.real_args()))
 
 
 def test_hf_grouped_mm_transposed_storage_model():
@@ -96,13 +93,18 @@ def test_hf_experts_forward_in_transformers_layout():
 
 
 def test_hf_grouped_mm_has_transformers_parameter_layout():
-  """No transpose pair that XLA could cancel: the weights enter the program
-  as transformers' [E, out, in] arrays and are transposed once."""
-  point = moe.MoePoint(TINY, 8, "uniform")
+  """The weights enter the program as transformers' [E, out, in] arrays and
+  are transposed once each (no transpose pair that XLA could cancel); the
+  point's own [E, in, out] arguments are refused rather than mis-timed."""
+  point = moe.MoePoint(TINY_I, 8, "uniform")
   built = registry.REGISTRY["hf_grouped_mm"].build(point, "v6e", None)
-  text = jax.jit(built.fn).lower(*point.compile_args()).as_text()
+  args = registry.program_args(built, point.compile_args())
+  assert [a.shape for a in args[1:3]] == [(4, 768, 256), (4, 256, 384)]
+  text = jax.jit(built.fn).lower(*args).as_text()
   assert text.count("stablehlo.transpose") == 2
-  assert "tensor<4x256x256xbf16>" in text and "tensor<4x256x128xbf16>" in text
+  assert "tensor<4x768x256xbf16>" in text and "tensor<4x256x384xbf16>" in text
+  with pytest.raises(ValueError, match="program_args"):
+    jax.eval_shape(built.fn, *point.compile_args())
 
 
 def test_tokamax_forced_pallas_matches_reference():
