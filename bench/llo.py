@@ -464,6 +464,8 @@ class _Machine:
       return {"por": x or y, "pand": x and y, "pnand": not (x and y),
               "pnor": not (x or y), "pxor": x != y}[n]
     if n.startswith("sld"):
+      if "core id" in op.text:  # one TensorCore per device: always core 0
+        return 0
       addr = self.addr(op.args[0])
       if addr is None:
         return None
@@ -485,6 +487,10 @@ class _Machine:
       return (x - y) & _MASK
     if base == "smul":
       return (x * y) & _MASK
+    if base == "smulhi":  # high word of the product (division by constants)
+      if ".s32" in n:
+        return ((_signed(x) * _signed(y)) >> 32) & _MASK
+      return ((x * y) >> 32) & _MASK
     if base == "sand":
       return x & y
     if base == "sor":

@@ -145,7 +145,11 @@ def unpack(packed: str) -> str:
 # Stated assumption (see bench/README.md "Scheduled time"): the time from a
 # DMA's last byte to its semaphore, calibrated on tpu-inference #3520
 # (bench/calibration.py). The clock is torch_bindings.tpu_info's (assumed).
-DMA_LATENCY_S = 0.5e-6
+DMA_LATENCY_S = 1.35e-6
+# DMAs move data at this fraction of the device's HBM bandwidth: the copy
+# bandwidth tpu-inference #3520 measured on tpu7x (3.21 TB/s of 3.7), applied
+# to every generation (no other generation has a published copy figure).
+DMA_BANDWIDTH_FRACTION = 3.21 / 3.7
 
 
 def clock_hz(generation: str) -> float:
@@ -210,7 +214,7 @@ def hbm_model(generation: str) -> llo.HbmModel:
 
   c = model.chip(generation)
   hz = clock_hz(generation)
-  return llo.HbmModel(c.hbm_bytes_per_s / hz, DMA_LATENCY_S * hz)
+  return llo.HbmModel(c.hbm_bytes_per_s * DMA_BANDWIDTH_FRACTION / hz, DMA_LATENCY_S * hz)
 
 
 def run_schedule(text: str, operands: dict, generation: str, name: str = "kernel",
