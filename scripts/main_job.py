@@ -70,8 +70,14 @@ def run_sweep(cmd: list[str], log_path: Path) -> None:
     for programs it still compiles; none of that is a failure (the sweep's
     exit status is). On failure the log's tail is printed.
     """
+    import threading
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Its own report (stdout) is printed after the progress bar, not into its line.
+    out_lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: out_lines.extend(proc.stdout), daemon=True)
+    reader.start()
     shown, pending = False, b""
     with open(log_path, "wb") as log:
         for chunk in iter(lambda: proc.stderr.read1(65536), b""):
@@ -87,7 +93,11 @@ def run_sweep(cmd: list[str], log_path: Path) -> None:
         log.write(pending)
     if shown:
         sys.stderr.write("\n")
+        sys.stderr.flush()
     rc = proc.wait()
+    reader.join()
+    sys.stdout.write(b"".join(out_lines).decode(errors="replace"))
+    sys.stdout.flush()
     lines = log_path.read_bytes().decode(errors="replace").splitlines()
     if rc != 0:
         sys.stderr.write("\n".join(lines[-60:]) + "\n")
