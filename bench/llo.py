@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import numpy as np
 from typing import Iterable
 
 # Bytes per DMA granule in `size_in_granules` (a [16, 2048] bf16 window is
@@ -299,6 +300,23 @@ class Result:
   notes: list
 
 
+def _memory_words(a, nbytes: int):
+  """The 32-bit words of array `a` as a `nbytes` copy moves them: row-major
+  and packed when that is the size, else with the minor dimension padded to
+  128 elements (the lane tiling); None when neither fits."""
+  a = np.ascontiguousarray(a if isinstance(a, np.ndarray) else np.asarray(a, np.int32))
+  layouts = [a.reshape(-1)]
+  if a.ndim >= 1:
+    pad = -a.shape[-1] % 128
+    layouts.append(np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]).reshape(-1))
+  for flat in layouts:
+    raw = flat.view(np.uint8)
+    if -(-len(raw) // GRANULE_BYTES) * GRANULE_BYTES == nbytes:
+      raw = np.concatenate([raw, np.zeros(nbytes - len(raw), np.uint8)])
+      return raw.view("<u4")
+  return None
+
+
 class Unknown(Exception):
   pass
 
@@ -397,10 +415,15 @@ class _Machine:
     if data is None:
       self.notes.add(f"SMEM copy of {src.base}: values unknown")
       return
-    words = granules * GRANULE_BYTES // 4
-    first = src.offset >> src.scale if src.scale >= 0 else src.offset << -src.scale
-    for i, v in enumerate(data[first:first + words]):
-      self.smem[Ptr(dst.base, dst.offset + i)] = int(v) & _MASK
+    if src.offset:
+      self.notes.add(f"SMEM copy of part of {src.base}: values unknown")
+      return
+    words = _memory_words(data, granules * GRANULE_BYTES)
+    if words is None:
+      self.notes.add(f"SMEM copy of {src.base}: its memory layout is not one we know")
+      return
+    for i, v in enumerate(words):
+      self.smem[Ptr(dst.base, dst.offset + i)] = int(v)
 
   def wait(self, op: Op):
     sem_opnd = op.args[0]
@@ -556,7 +579,8 @@ class _Machine:
             i = int(idx.group(1)) if idx else -1
             if "<no memory space>" in op.text:
               data = self.operands.get(i)
-              writes.append((op.dst, int(data[0]) & _MASK if data is not None else None))
+              writes.append((op.dst, int(np.asarray(data).reshape(-1)[0]) & _MASK
+                             if data is not None else None))
             else:
               writes.append((op.dst, Ptr(f"operand{i}")))
           continue

@@ -195,17 +195,18 @@ def final_bundles(fn, args, generation: str) -> str:
 
 
 def operand_values(operands) -> dict:
-  """Custom-call operand index -> flat ints, for the concrete integer operands
-  (what a kernel can read into SMEM)."""
+  """Custom-call operand index -> array, for the concrete integer operands
+  (what a kernel can copy into SMEM or read as a scalar)."""
   out = {}
   for i, o in enumerate(operands):
-    if isinstance(o, (np.ndarray, np.generic)) or hasattr(o, "__array__"):
-      try:
-        a = np.asarray(o)
-      except Exception:  # noqa: BLE001 - symbolic values have no data
-        continue
-      if a.dtype.kind in "iub" and a.size <= (1 << 20):
-        out[i] = [int(v) for v in a.reshape(-1)]
+    if not (isinstance(o, (np.ndarray, np.generic)) or hasattr(o, "__array__")):
+      continue
+    try:
+      a = np.asarray(o)
+    except Exception:  # noqa: BLE001 - symbolic values have no data
+      continue
+    if a.dtype.kind in "iub" and a.size <= (1 << 22):
+      out[i] = a
   return out
 
 

@@ -67,7 +67,7 @@ class Context:
       return comp, None, ("no schedule: the compiler dump is off in this process "
                           "(libtpu loaded before bench)")
     values = schedule.operand_values(launch.operands)
-    key = (sig, generation, hash(tuple((k, tuple(v)) for k, v in sorted(values.items()))))
+    key = (sig, generation, hash(tuple((k, v.tobytes()) for k, v in sorted(values.items()))))
     if key not in self.schedules:
       t = time.perf_counter()
       self.schedules[key] = schedule.run_schedule(
