@@ -2,14 +2,21 @@
 
 Every numeric test compares the Pallas kernels, run with interpret=True on
 CPU, against reference.attention_reference (plain f32 softmax with an
-explicit dense mask) for the output, logsumexp and all gradients, with the
-tolerances documented in reference.py. Shapes stay small (interpret mode
+explicit dense mask, on the same bf16/f16-rounded inputs) for the output,
+logsumexp and all gradients, element by element with tests/tolerances.py.
+The magnitudes that scale each bound are sums of absolute terms built from
+the reference's own probabilities P (the reference run with V = identity):
+out ~ P|V|, dV ~ P^T|dO|, dQ/dK ~ scale * P (2D + |dO||V|^T) |K| / |Q| where
+D = |dO| . P|V| + |dlse| bounds delta. Counted bf16 roundings: P before the
+PV and dV matmuls (1), and for dQ/dK dS before the matmul plus the bf16
+forward output inside delta (4 in all). Shapes stay small (interpret mode
 runs the grid as a scan); block sizes of 128 make every shape span several
 blocks with ragged tails.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,19 +25,24 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from flash_attention_tpu import block_schedule as bsched  # noqa: E402
 from flash_attention_tpu import checks, tiling  # noqa: E402
 from flash_attention_tpu import flash_attention as fa  # noqa: E402
 from flash_attention_tpu import reference as ref  # noqa: E402
+from tolerances import assert_close  # noqa: E402
 
 SMALL = tiling.BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
 # 256 blocks cut into 128 sub-tiles: exercises the sub-tiled masked path.
 SUBTILED = tiling.BlockSizes(block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256,
                              sub_block=128)
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+SCALES = [None, 0.05, 0.3]  # softmax_scale: default 1/sqrt(D), and two others
+
+# bf16 roundings inside the kernels, per result (see the module docstring).
+ROUNDINGS = {"out": 1, "dv": 1, "dq": 4, "dk": 4, "dsinks": 3}
 
 
 def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
@@ -38,13 +50,49 @@ def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
     q = jax.random.normal(ks[0], (b, hq, sq, d), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (b, hkv, skv, d), jnp.float32).astype(dtype)
     v = jax.random.normal(ks[2], (b, hkv, skv, dv), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, hq, sq, dv), jnp.float32)
+    # The kernel receives dO rounded to its dtype: give the reference the same values.
+    do = jax.random.normal(ks[3], (b, hq, sq, dv), jnp.float32).astype(dtype).astype(jnp.float32)
     sinks = jax.random.normal(ks[4], (hq,), jnp.float32) if with_sinks else None
     return q, k, v, do, sinks
 
 
-def _check_all(kernel_fn, ref_fn, q, k, v, do, sinks, dtype):
-    """Output, logsumexp and grads of q, k, v (and sinks) vs the reference."""
+def _magnitudes(p, q, k, v, do, dlse, sinks, rlse, scale):
+    """Sums of absolute terms behind each result, dense layout [B, H, S, D].
+
+    p [B, Hq, Sq, Skv]: the reference's softmax probabilities.
+    """
+    f = lambda x: np.abs(np.asarray(x, np.float32))  # noqa: E731
+    p = np.asarray(p, np.float32)
+    hq, hkv = q.shape[1], k.shape[1]
+    grp = hq // hkv
+    qa, doa = f(q), f(do)
+    ka, va = np.repeat(f(k), grp, axis=1), np.repeat(f(v), grp, axis=1)
+    a = p @ va  # P|V| >= |out|
+    dd = np.sum(doa * a, axis=-1) + f(dlse)  # bounds |delta| and its error scale
+    e = doa @ np.swapaxes(va, -1, -2)  # |dO||V|^T >= |dP|
+    w = p * (2.0 * dd[..., None] + e)
+    fold = lambda x: x.reshape(x.shape[0], hkv, grp, *x.shape[2:]).sum(axis=2)  # noqa: E731
+    mags = {
+        "out": a,
+        "dq": scale * (w @ ka),
+        "dk": fold(scale * (np.swapaxes(w, -1, -2) @ qa)),
+        "dv": fold(np.swapaxes(p, -1, -2) @ doa),
+    }
+    if sinks is not None:
+        lse = np.asarray(rlse, np.float32)
+        s = np.asarray(sinks, np.float32)[None, :, None]
+        p_sink = np.where(np.isfinite(lse), np.exp(s - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
+        mags["dsinks"] = np.sum(p_sink * dd, axis=(0, 2))
+    return mags
+
+
+def _check_all(kernel_fn, ref_fn, probs_fn, q, k, v, do, sinks, dtype, scale,
+               to_dense=lambda x: x, from_dense=lambda x: x):
+    """Output, logsumexp and grads of q, k, v (and sinks) vs the reference, per element.
+
+    probs_fn(q, k, sinks) -> the reference's probabilities; to_dense/from_dense
+    map the caller's layout to [B, H, S, ...] and back (varlen: packed tokens).
+    """
     argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
 
     # The loss also weights the logsumexp, so its cotangent path is checked.
@@ -60,26 +108,42 @@ def _check_all(kernel_fn, ref_fn, q, k, v, do, sinks, dtype):
     # One jit per side: eager mode would compile every small op separately.
     grads, (o, lse) = jax.jit(jax.grad(loss(kernel_fn), argnums=argnums, has_aux=True))(
         q, k, v, sinks)
+    f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
     rgrads, (ro, rlse) = jax.jit(jax.grad(loss(ref_fn), argnums=argnums, has_aux=True))(
-        q, k, v, sinks)
+        f32(q), f32(k), f32(v), sinks)
     assert o.dtype == q.dtype
     assert not bool(jnp.any(jnp.isnan(o.astype(jnp.float32))))
-    ref.assert_close(o, ro, dtype, "out", "out")
-    ref.assert_close(lse, rlse, dtype, "lse", "lse")
+    dlse = jnp.where(jnp.isfinite(rlse), w_lse.reshape(rlse.shape), 0.0)
+    p = jax.jit(probs_fn)(f32(q), f32(k), sinks)
+    mags = _magnitudes(to_dense(p), to_dense(q), to_dense(k), to_dense(v), to_dense(do),
+                       to_dense(dlse), sinks, to_dense(rlse), scale)
+    rnd = (lambda name: ROUNDINGS[name]) if dtype == jnp.bfloat16 else (lambda name: 0)
+    low = jnp.dtype(dtype)
+    assert_close(o, ro, dtype=low, magnitude=from_dense(mags["out"]), roundings=rnd("out"),
+                 what="out")
+    # f32 logsumexp: exp-sum and log in another order, relative to |lse| + 1.
+    lse_mag = np.where(np.isfinite(rlse), np.abs(np.asarray(rlse)), 0.0) + 1.0
+    assert_close(lse, rlse, magnitude=lse_mag, what="lse")
     for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads):
         assert g.shape == rg.shape and g.dtype == (q.dtype if name != "dsinks" else sinks.dtype)
-        ref.assert_close(g, rg, dtype, "grad", name)
+        mag = mags[name] if name == "dsinks" else from_dense(mags[name])
+        assert_close(g, rg, dtype=low, magnitude=mag, roundings=rnd(name), what=name)
     return o, grads
+
+
+def _eye_v(hkv, skv, b=1):
+    """V = identity: attention's output is then its probability matrix."""
+    return jnp.broadcast_to(jnp.eye(skv, dtype=jnp.float32), (b, hkv, skv, skv))
 
 
 def _dense_case(*, seed=0, b=1, hq=4, hkv=2, sq=136, skv=136, d=64, dv=None, dtype=jnp.float32,
                 causal=False, window=(-1, -1), softcap=None, with_sinks=False, segments=None,
-                block_sizes=SMALL):
+                scale=None, block_sizes=SMALL):
     dv = dv or d
     q, k, v, do, sinks = _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks)
     qs, ks = segments if segments is not None else (None, None)
-    kw = dict(causal=causal, window_size=window, softcap=softcap, q_segment_ids=qs,
-              kv_segment_ids=ks)
+    kw = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=scale,
+              q_segment_ids=qs, kv_segment_ids=ks)
 
     def kern(q, k, v, s):
         return fa.flash_attention(q, k, v, sinks=s, block_sizes=block_sizes, interpret=True,
@@ -88,11 +152,27 @@ def _dense_case(*, seed=0, b=1, hq=4, hkv=2, sq=136, skv=136, d=64, dv=None, dty
     def refn(q, k, v, s):
         return ref.attention_reference(q, k, v, sinks=s, **kw)
 
-    return _check_all(kern, refn, q, k, v, do, sinks, dtype)
+    def probs(q, k, s):
+        return ref.attention_reference(q, k, _eye_v(hkv, skv, b), sinks=s, **kw)[0]
+
+    eff_scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    return _check_all(kern, refn, probs, q, k, v, do, sinks, dtype, eff_scale)
 
 
 # ---------------------------------------------------------------------------
 # Property test over the dense entry.
+
+
+def _segment_ids(draw, b, sq, skv):
+    """Sorted segment ids (packed sequences), some q segments without keys."""
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    n = draw(st.integers(1, 4))
+    qs = np.sort(rng.integers(0, n, (b, sq)), axis=1)
+    ks = np.sort(rng.integers(0, n, (b, skv)), axis=1)
+    if draw(st.booleans()):
+        qs[:, -min(5, sq):] = n + 1  # a segment only queries have: rows see nothing
+    return jnp.asarray(qs, jnp.int32), jnp.asarray(ks, jnp.int32)
 
 
 @st.composite
@@ -106,19 +186,24 @@ def dense_cases(draw):
         window = (draw(st.integers(0, 80)), -1)
     elif win == "both":
         window = (draw(st.integers(0, 80)), draw(st.integers(0, 40)))
+    b = draw(st.sampled_from([1, 2]))
+    sq, skv = draw(st.integers(1, 300)), draw(st.integers(1, 300))
+    segments = _segment_ids(draw, b, sq, skv) if draw(st.booleans()) else None
     return dict(
         seed=draw(st.integers(0, 2**16)),
-        b=draw(st.sampled_from([1, 2])),
+        b=b,
         hq=group * hkv,
         hkv=hkv,
-        sq=draw(st.integers(1, 300)),
-        skv=draw(st.integers(1, 300)),
+        sq=sq,
+        skv=skv,
         d=draw(st.sampled_from([64, 128])),
         dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
         causal=causal,
         window=window,
         softcap=draw(st.sampled_from([None, 5.0])),
         with_sinks=draw(st.booleans()),
+        segments=segments,
+        scale=draw(st.sampled_from(SCALES)),
         block_sizes=draw(st.sampled_from([SMALL, SUBTILED])),
     )
 
@@ -140,6 +225,15 @@ def test_head_dims(d, dv):
                 causal=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale", [0.05, 0.3])
+def test_softmax_scale_reaches_every_kernel(dtype, scale):
+    # A scale other than 1/sqrt(D), through the forward, dK/dV and dQ kernels
+    # (masked and unmasked pairs, GQA, softcap so the scale sits inside tanh).
+    _dense_case(seed=11, hq=4, hkv=2, sq=200, skv=260, dtype=dtype, causal=True, softcap=5.0,
+                scale=scale)
+
+
 def test_gqa_8_causal_cross_lengths_f32():
     # Sq > Skv: bottom-right alignment leaves the first rows with no key.
     o, grads = _dense_case(hq=8, hkv=1, sq=150, skv=100, causal=True)
@@ -159,15 +253,18 @@ def test_decode_layout_multiple_row_blocks_with_sinks():
                 block_sizes=bs)
 
 
-def test_segment_ids_no_cross_attention():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_segment_ids_no_cross_attention(dtype):
     b, sq, skv = 2, 140, 150
     rng = np.random.default_rng(0)
     qs = jnp.asarray(np.sort(rng.integers(0, 4, (b, sq)), axis=1), jnp.int32)
     ks = jnp.asarray(np.sort(rng.integers(0, 4, (b, skv)), axis=1), jnp.int32)
     # Segment 5 exists only in q: those rows must output exactly 0.
     qs = qs.at[:, -7:].set(5)
-    o, _ = _dense_case(b=b, sq=sq, skv=skv, causal=True, segments=(qs, ks), with_sinks=False)
-    np.testing.assert_array_equal(np.asarray(o[:, :, -7:]), 0.0)
+    o, grads = _dense_case(b=b, sq=sq, skv=skv, causal=True, segments=(qs, ks), with_sinks=False,
+                           dtype=dtype, scale=0.3)
+    np.testing.assert_array_equal(np.asarray(o[:, :, -7:], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(grads[0][:, :, -7:], np.float32), 0.0)
 
 
 def test_f16_inputs():
@@ -183,11 +280,16 @@ def test_default_block_sizes_single_block():
 # Varlen.
 
 
+def _lengths(draw, n, hi):
+    return draw(st.lists(st.integers(0, hi), min_size=n, max_size=n))
+
+
 @st.composite
 def varlen_cases(draw):
-    n = draw(st.integers(1, 4))
-    lq = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
-    lk = draw(st.lists(st.integers(0, 70), min_size=n, max_size=n))
+    # A few sequences up to 70 tokens, or many (10-30) short ones, some empty.
+    n = draw(st.sampled_from([1, 3, 4, 12, 30]))
+    hi = 70 if n <= 4 else 24
+    lq, lk = _lengths(draw, n, hi), _lengths(draw, n, hi)
     if sum(lq) == 0:
         lq[0] = 1
     if sum(lk) == 0:
@@ -195,12 +297,74 @@ def varlen_cases(draw):
     group = draw(st.sampled_from([1, 2, 4]))
     win = draw(st.sampled_from([(-1, -1), (16, -1), (20, 4)]))
     return dict(lq=lq, lk=lk, group=group, causal=draw(st.booleans()), window=win,
-                with_sinks=draw(st.booleans()),
+                with_sinks=draw(st.booleans()), scale=draw(st.sampled_from(SCALES)),
+                softcap=draw(st.sampled_from([None, 5.0])),
                 dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])))
 
 
+def _packed_mask(lq, lk, causal, window):
+    """[Tq, Tk] visibility of packed tokens: the reference's per-sequence masks on the diagonal."""
+    cq, ck = np.cumsum([0, *lq]), np.cumsum([0, *lk])
+    m = np.zeros((cq[-1], ck[-1]), bool)
+    for s in range(len(lq)):
+        if lq[s] and lk[s]:
+            m[cq[s]:cq[s + 1], ck[s]:ck[s + 1]] = np.asarray(
+                ref.visibility_mask(lq[s], lk[s], causal=causal, window_size=window))[0]
+    return m
+
+
+def _packed_reference(q, k, v, mask, *, sinks=None, softmax_scale=None, softcap=None,
+                      probs=False):
+    """attention_reference's f32 math over all packed tokens at once, one [Tq, Tk]
+    mask (one XLA program, where a per-sequence loop compiles one per sequence).
+
+    q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, Dv], lse [Hq, Tq]), or with
+    probs=True the probabilities [Tq, Hq, Tk].
+    """
+    hq, d = q.shape[1], q.shape[2]
+    grp = hq // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qf = q.astype(jnp.float32)
+    kf = jnp.repeat(k.astype(jnp.float32), grp, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", qf, kf, precision="highest") * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    mask = jnp.asarray(mask)[None]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32)[:, None, None])
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32)[:, None, None] - m)
+    empty = denom == 0.0
+    safe = jnp.where(empty, 1.0, denom)
+    if probs:
+        return jnp.swapaxes(p / safe, 0, 1)
+    vf = jnp.repeat(v.astype(jnp.float32), grp, axis=1)
+    out = jnp.einsum("hqk,khd->qhd", p / safe, vf, precision="highest")
+    return out, jnp.where(empty, jnp.inf, m + jnp.log(safe))[..., 0]
+
+
+def test_packed_reference_matches_the_per_sequence_reference():
+    lq, lk = [5, 0, 9, 3], [7, 4, 0, 11]
+    q = jax.random.normal(jax.random.PRNGKey(1), (sum(lq), 4, 64))
+    k = jax.random.normal(jax.random.PRNGKey(2), (sum(lk), 2, 64))
+    v = jax.random.normal(jax.random.PRNGKey(3), (sum(lk), 2, 64))
+    sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0])
+    kw = dict(causal=True, window_size=(3, -1))
+    cq, ck = np.cumsum([0, *lq]), np.cumsum([0, *lk])
+    want = ref.attention_reference_varlen(q, k, v, cq, ck, sinks=sinks, softcap=4.0, **kw)
+    got = _packed_reference(q, k, v, _packed_mask(lq, lk, **{"causal": True, "window": (3, -1)}),
+                            sinks=sinks, softcap=4.0)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
 def _varlen_case(lq, lk, group=2, causal=True, window=(-1, -1), with_sinks=False,
-                 dtype=jnp.float32, d=64, block_sizes=SMALL):
+                 dtype=jnp.float32, d=64, scale=None, softcap=None, block_sizes=SMALL):
     cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
     tq, tk, hkv = int(cq[-1]), int(ck[-1]), 2
@@ -208,22 +372,36 @@ def _varlen_case(lq, lk, group=2, causal=True, window=(-1, -1), with_sinks=False
     q, k, v, do, sinks = _inputs(tq + 7 * tk, 1, hq, hkv, tq, tk, d, d, dtype, with_sinks)
     q, k, v = (x[0].transpose(1, 0, 2) for x in (q, k, v))
     do = do[0].transpose(1, 0, 2)
-    kw = dict(causal=causal, window_size=window)
+    kw = dict(causal=causal, window_size=window, softmax_scale=scale, softcap=softcap)
 
     def kern(q, k, v, s):
         return fa.flash_attention_varlen(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max(lq),
                                          max(lk), sinks=s, block_sizes=block_sizes,
                                          interpret=True, return_lse=True, **kw)
 
-    def refn(q, k, v, s):
-        return ref.attention_reference_varlen(q, k, v, cq, ck, sinks=s, **kw)
+    mask = _packed_mask(lq, lk, causal, window)
+    rkw = dict(softmax_scale=scale, softcap=softcap)
 
-    o, grads = _check_all(kern, refn, q, k, v, do, sinks, dtype)
+    def refn(q, k, v, s):
+        return _packed_reference(q, k, v, mask, sinks=s, **rkw)
+
+    def probs(q, k, s):
+        return _packed_reference(q, k, None, mask, sinks=s, probs=True, **rkw)
+
+    def to_dense(x):  # packed [T, H, ...] (lse: [H, T]) -> [1, H, T, ...]
+        return x[None] if x.ndim == 2 else jnp.swapaxes(x, 0, 1)[None]
+
+    def from_dense(x):
+        return np.swapaxes(x[0], 0, 1)
+
+    eff_scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    o, grads = _check_all(kern, refn, probs, q, k, v, do, sinks, dtype, eff_scale,
+                          to_dense=to_dense, from_dense=from_dense)
     # Queries of sequences without keys: exactly zero output and gradient.
     for s in range(len(lq)):
         if lk[s] == 0 and lq[s] > 0:
-            np.testing.assert_array_equal(np.asarray(o[cq[s]:cq[s + 1]]), 0.0)
-            np.testing.assert_array_equal(np.asarray(grads[0][cq[s]:cq[s + 1]]), 0.0)
+            np.testing.assert_array_equal(np.asarray(o[cq[s]:cq[s + 1]], np.float32), 0.0)
+            np.testing.assert_array_equal(np.asarray(grads[0][cq[s]:cq[s + 1]], np.float32), 0.0)
 
 
 @settings(max_examples=6, **HYP)
@@ -238,6 +416,20 @@ def test_varlen_empty_and_single_token_sequences():
     _varlen_case([5, 0, 1, 130, 40], [7, 3, 0, 100, 40], group=4, causal=True, with_sinks=True)
 
 
+def test_varlen_many_sequences_some_empty():
+    # 24 packed sequences crossing several 128-token blocks: empty ones (no
+    # query, no key, neither), single tokens, a non-default scale, sinks, bf16.
+    rng = np.random.default_rng(5)
+    lq = [int(x) for x in rng.integers(0, 30, 24)]
+    lk = [int(x) for x in rng.integers(0, 30, 24)]
+    lq[3], lk[3] = 0, 9
+    lq[7], lk[7] = 6, 0
+    lq[11], lk[11] = 0, 0
+    lq[15], lk[15] = 1, 1
+    _varlen_case(lq, lk, group=2, causal=True, window=(12, -1), with_sinks=True,
+                 dtype=jnp.bfloat16, scale=0.2)
+
+
 def test_varlen_jit_traced_cu_seqlens():
     cq = jnp.asarray([0, 3, 3, 90], jnp.int32)
     ck = jnp.asarray([0, 5, 20, 150], jnp.int32)
@@ -249,7 +441,10 @@ def test_varlen_jit_traced_cu_seqlens():
     out = f(q, k, v, cq, ck)
     expected, _ = ref.attention_reference_varlen(q, k, v, np.asarray(cq), np.asarray(ck),
                                                  causal=True)
-    ref.assert_close(out, expected, jnp.float32, "out", "out")
+    eye = jnp.broadcast_to(jnp.eye(150, dtype=jnp.float32)[:, None, :], (150, 1, 150))
+    p, _ = ref.attention_reference_varlen(q, k, eye, np.asarray(cq), np.asarray(ck), causal=True)
+    mag = jnp.einsum("qhk,khd->qhd", p, jnp.abs(jnp.repeat(v, 2, axis=1)), precision="highest")
+    assert_close(out, expected, magnitude=mag, what="out")
 
 
 # ---------------------------------------------------------------------------
@@ -372,10 +567,17 @@ def test_causal_grid_visits_only_lower_triangle_v6e():
         assert r[kernel] <= 1.04, (kernel, r[kernel])
 
 
-def test_varlen_schedule_bound_and_coverage():
-    # Data-dependent schedules: every visible pair appears, within the bound.
-    lq = [5, 0, 1, 300, 40, 129]
-    lk = [7, 3, 0, 250, 400, 129]
+_RNG_SEQ = np.random.default_rng(9)
+MANY_Q = [int(x) for x in _RNG_SEQ.integers(0, 60, 25)]
+MANY_K = [int(x) for x in _RNG_SEQ.integers(0, 60, 25)]
+
+
+@pytest.mark.parametrize("lq,lk", [([5, 0, 1, 300, 40, 129], [7, 3, 0, 250, 400, 129]),
+                                   (MANY_Q, MANY_K)], ids=["long", "many"])
+def test_varlen_schedule_bound_and_coverage(lq, lk):
+    """Data-dependent schedules: every visible (q block, kv block) pair is computed,
+    once, and nothing outside each q block's hull of visible kv blocks is; the
+    static schedule length is the documented bound."""
     cq = jnp.asarray(np.concatenate([[0], np.cumsum(lq)]), jnp.int32)
     ck = jnp.asarray(np.concatenate([[0], np.cumsum(lk)]), jnp.int32)
     tq, tk = sum(lq), sum(lk)
@@ -384,26 +586,28 @@ def test_varlen_schedule_bound_and_coverage():
         seg, pos, (rows, cols) = bsched.varlen_schedules(
             cq, ck, tq, tk, geom, geom, group=1, causal=causal, left=window[0],
             right=window[1], max_seqlen_k=max(lk))
-        # Brute-force visibility from the reference's per-sequence masks.
-        vis_tok = np.zeros((tq, tk), bool)
-        cqn, ckn = np.asarray(cq), np.asarray(ck)
-        for s in range(len(lq)):
-            if lq[s] and lk[s]:
-                m = np.asarray(ref.visibility_mask(lq[s], lk[s], causal=causal,
-                                                   window_size=window))[0]
-                vis_tok[cqn[s]:cqn[s + 1], ckn[s]:ckn[s + 1]] = m
+        vis_tok = _packed_mask(lq, lk, causal, window)  # the reference's per-sequence masks
         nq, nk = geom.num_q_blocks, geom.num_kv_blocks
         vis = np.zeros((nq, nk), bool)
         for i in range(nq):
             for j in range(nk):
                 vis[i, j] = vis_tok[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].any()
+        hull = np.zeros_like(vis)
+        for i in range(nq):
+            if vis[i].any():
+                js = np.flatnonzero(vis[i])
+                hull[i, js[0]:js[-1] + 1] = True
+        step_bound = bsched.varlen_step_bound(nq, nk, 128, max(lk))
         for sched, q_major in ((rows, True), (cols, False)):
+            assert len(sched) == step_bound + (0 if q_major else nk)
             outer, inner, flags = (np.asarray(x) for x in bsched.decode_word(sched))
             qi, kj = (outer, inner) if q_major else (inner, outer)
             comp = (flags & bsched.COMPUTE) != 0
             got = np.zeros_like(vis)
             got[qi[comp], kj[comp]] = True
             assert np.all(got[vis]), "a visible pair is missing from the schedule"
+            assert comp.sum() == got.sum(), "a pair is computed twice"
+            assert not np.any(got & ~hull), "a pair outside the visible hull is computed"
             n_outer = nq if q_major else nk
             assert np.array_equal(outer[(flags & bsched.INIT) != 0], np.arange(n_outer))
             assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
