@@ -19,6 +19,7 @@ measured. Figures:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
@@ -65,6 +66,16 @@ def _time(costs, generation, dma_as_steps=False):
   return t
 
 
+def _scheduled_s(fn, args, generation) -> tuple[float, list]:
+  """Scheduled seconds of every launch fn(*args) makes (bench.schedule)."""
+  from . import schedule
+
+  with walker.pretend_tpu(generation):
+    launches = walker.trace_launches(fn, *args)
+    scheds = [schedule.schedule_launch(l, generation) for l in launches]
+  return sum(s.seconds for s in scheds), scheds
+
+
 def _load_gmm_v2(path):
   spec = importlib.util.spec_from_file_location("_bench_gmm_v2", path)
   mod = importlib.util.module_from_spec(spec)
@@ -89,7 +100,7 @@ def reference_walk() -> list[dict]:
     rows.append(dict(figure="perf-model.md reference walk (megablox default, v6e)",
                      point=f"Qwen3 gate_up, {tokens} tokens",
                      reference=want, model=_time(costs, "v6e") / roof,
-                     unit="× roofline"))
+                     unit="× roofline", note="ideal model vs the note's own walk"))
   return rows
 
 
@@ -117,46 +128,118 @@ def issue_3520(gmm_v2_path: str | None) -> list[dict]:
       kernel = "megablox full-width (stand-in)"
     costs = _walk_gmm(fn, mp, k, n, e, sizes, generation=gen)
     t = _time(costs, gen)
-    t_dma = _time(costs, gen, dma_as_steps=True)
+    args = (jax.ShapeDtypeStruct((mp, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16), jnp.asarray(sizes))
+    try:
+      sched, _ = _scheduled_s(fn, args, gen)
+    except Exception as err:  # noqa: BLE001 - e.g. the stand-in's VMEM
+      sched, why = None, f"{type(err).__name__}: {err}"[:120]
     point = f"E={e} {k}x{n} bf16, {g}x{per} rows"
     rows.append(dict(figure=f"tpu-inference #3520 ({kernel}, tpu7x)", point=point,
                      reference=meas_us, model=t * 1e6, unit="µs",
-                     model_dma_as_steps=t_dma * 1e6,
-                     hbm_bytes=sum(c.hbm_bytes for c in costs),
-                     steps=sum(c.steps for c in costs),
-                     dma_issues=sum(c.dma_issues for c in costs)))
+                     scheduled=None if sched is None else sched * 1e6,
+                     note="calibrates DMA latency and copy bandwidth" if sched else why))
   return rows
 
 
-def tokamax_1221() -> list[dict]:
+# Splash attention forward, d=128, causal: tokamax's published Ironwood
+# (tpu7x) figures put it at 20-34% of peak.
+SPLASH_PUBLISHED = (0.20, 0.34)
+
+
+def splash_fraction_of_peak(seq: int = 8192, heads: int = 32, kv_heads: int = 8,
+                            head_dim: int = 128) -> list[dict]:
+  from . import points, registry
+
+  gen = "tpu7x"
+  p = points.AttentionPoint(seq, q_heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+  rows = []
+  for impl in ("jax_splash_attention", "ours_flash_attention"):
+    built = registry.REGISTRY[impl].build(p, gen, None)
+    sched, _ = _scheduled_s(built.fn, p.walker_args(), gen)
+    peak = model.chip(gen).peak_flops
+    frac = p.useful_flops() / sched / peak
+    rows.append(dict(figure=f"splash attention fwd on Ironwood, {impl} (tpu7x)",
+                     point=f"causal T={seq} d={head_dim} {heads}/{kv_heads} heads",
+                     reference=sum(SPLASH_PUBLISHED) / 2, model=None, unit="of peak",
+                     scheduled=frac,
+                     note=f"published band {SPLASH_PUBLISHED[0]:.0%}-{SPLASH_PUBLISHED[1]:.0%}; "
+                     f"scheduled {sched * 1e6:,.0f} µs"))
+  return rows
+
+
+# tokamax ragged_dot forward on TPU7x prefill shapes: 619-809 TFLOP/s (its
+# autotune cache).
+TOKAMAX_PUBLISHED_TFLOPS = (619.0, 809.0)
+
+
+def tokamax_prefill_tflops(tokens: int = 8192) -> list[dict]:
+  from . import registry
+
+  gen = "tpu7x"
+  shape = moe.MODELS["qwen3-30b-a3b"]
+  p = moe.MoePoint(shape, tokens, "uniform", 0)
+  rows = []
+  for impl in ("tokamax_ragged_dot", "ours_ragged_dot"):
+    try:
+      built = registry.REGISTRY[impl].build(p, gen, None)
+    except registry.Skip as e:
+      rows.append(dict(figure=f"tokamax ragged_dot prefill, {impl}", point="", reference=None,
+                       model=None, unit="TFLOP/s", scheduled=None, note=f"skip: {e}"))
+      continue
+    sched, _ = _scheduled_s(built.fn, p.walker_args(), gen)
+    tflops = p.useful_flops() / sched / 1e12
+    rows.append(dict(figure=f"tokamax ragged_dot fwd on TPU7x prefill, {impl} (kernels only)",
+                     point=f"Qwen3-30B-A3B experts, {tokens} tokens, uniform",
+                     reference=sum(TOKAMAX_PUBLISHED_TFLOPS) / 2, model=None, unit="TFLOP/s",
+                     scheduled=tflops,
+                     note=f"published band {TOKAMAX_PUBLISHED_TFLOPS[0]:.0f}-"
+                     f"{TOKAMAX_PUBLISHED_TFLOPS[1]:.0f}; Pallas launches only, "
+                     f"scheduled {sched * 1e6:,.0f} µs"))
+  return rows
+
+
+def tokamax_1221(scheduled: bool = True) -> list[dict]:
   gmm = _megablox()
   m, g, k, n = 65536, 128, 3072, 2048
   sizes = np.full(g, m // g, np.int32)
   rows = []
   for gen, measured in TOKAMAX_1221_ROWS:
-    t = {}
+    t, sch = {}, {}
     for tm in (128, 256):
-      costs = _walk_gmm(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.bfloat16,
-                                              tiling=(tm, 512, 512)), m, k, n, g, sizes)
+      fn = functools.partial(gmm, preferred_element_type=jnp.bfloat16, tiling=(tm, 512, 512))
+      costs = _walk_gmm(lambda x, w, gs: fn(x, w, gs), m, k, n, g, sizes)
       t[tm] = _time(costs, gen)
+      if scheduled:
+        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jnp.asarray(sizes))
+        sch[tm], _ = _scheduled_s(lambda x, w, gs: fn(x, w, gs), args, gen)
     rows.append(dict(figure=f"tokamax PR 1221 (megablox stand-in, {gen})",
                      point=f"m={m} g={g} k={k} n={n} balanced: tile_m 256 vs 128",
-                     reference=measured, model=t[128] / t[256], unit="speedup"))
+                     reference=measured, model=t[128] / t[256], unit="speedup",
+                     scheduled=sch[128] / sch[256] if sch else None,
+                     note="" if sch else "scheduled skipped (--fast)"))
   return rows
 
 
+def _fmt(v, unit):
+  if v is None:
+    return "-"
+  if unit == "of peak":
+    return f"{v:.1%}"
+  return f"{v:.3g} {unit}"
+
+
 def table(rows: list[dict]) -> str:
-  out = ["| figure | point | measured / reference | model | model / measured | note |",
-         "|---|---|---|---|---|---|"]
+  out = ["| figure | point | measured / reference | scheduled | scheduled / measured "
+         "| ideal model | note |",
+         "|---|---|---|---|---|---|---|"]
   for r in rows:
-    note = ""
-    if "model_dma_as_steps" in r:
-      note = (f"{r['dma_issues']} DMA issues, {r['steps']} grid steps; "
-              f"DMA-as-step variant {r['model_dma_as_steps']:.1f} µs "
-              f"({r['model_dma_as_steps'] / r['reference']:.2f}×)")
-    out.append(f"| {r['figure']} | {r['point']} | {r['reference']:.3g} {r['unit']} | "
-               f"{r['model']:.3g} {r['unit']} | {r['model'] / r['reference']:.2f} | "
-               f"{note} |")
+    ref, sch, ideal = r.get("reference"), r.get("scheduled"), r.get("model")
+    ratio = f"{sch / ref:.2f}" if (ref and sch) else "-"
+    out.append(f"| {r['figure']} | {r['point']} | {_fmt(ref, r['unit'])} | "
+               f"{_fmt(sch, r['unit'])} | {ratio} | {_fmt(ideal, r['unit'])} | "
+               f"{r.get('note', '')} |")
   return "\n".join(out) + "\n"
 
 
@@ -166,7 +249,8 @@ def main(argv=None) -> int:
                  help="path to tpu-inference's tpu_inference/kernels/megablox/gmm_v2.py")
   p.add_argument("--out", default=None, help="write the table to this file")
   args = p.parse_args(argv)
-  rows = reference_walk() + issue_3520(args.gmm_v2) + tokamax_1221()
+  rows = (reference_walk() + issue_3520(args.gmm_v2) + tokamax_1221()
+          + splash_fraction_of_peak() + tokamax_prefill_tflops())
   text = table(rows)
   print(text)
   if args.out:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
+from torch_bindings import tpu_info
 
 from . import model
 from . import registry
@@ -298,26 +299,12 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     g["scheduled_over_roofline"] = sch / (roof * 1e6) if sch and roof > 0 else None
     g["scheduled_tokens_per_s"] = point.tokens / (sch * 1e-6) if sch else None
     g["measured_us"] = None
-    if ctx.measure and gen == _attached_generation():
+    if ctx.measure and gen == tpu_info.attached_generation():
       try:
         g["measured_us"] = measure_us(built.fn, point.real_args())
       except Exception as e:  # noqa: BLE001
         g["measure_error"] = f"{type(e).__name__}: {e}"[:300]
   return rec
-
-
-def _attached_generation() -> str | None:
-  try:
-    kind = jax.devices()[0].device_kind.lower()
-  except Exception:  # noqa: BLE001
-    return None
-  if "v5" in kind and ("lite" in kind or "v5e" in kind):
-    return "v5e"
-  if "v6" in kind:
-    return "v6e"
-  if "7" in kind:
-    return "tpu7x"
-  return None
 
 
 def environment() -> dict:

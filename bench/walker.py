@@ -1137,26 +1137,23 @@ def launch_signature(launch: Launch) -> str:
   return hashlib.sha1(text.encode()).hexdigest()
 
 
-_CHIP_VERSIONS = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "tpu7x": "TPU_7X",
-                  "v5p": "TPU_V5P"}
-
-
 class pretend_tpu:
   """Context manager: Pallas' `get_tpu_info()` answers for `generation`
-  (one TensorCore) while tracing on a host without a TPU, for kernels and
-  pipelines (emit_pipeline) that size tiles from the attached chip."""
+  (one JAX device, as torch_bindings.tpu_info describes it) while tracing on a
+  host without a TPU, for kernels and pipelines (emit_pipeline) that size
+  tiles from the attached chip."""
 
   def __init__(self, generation: str):
-    if generation not in _CHIP_VERSIONS:
-      raise ValueError(f"generation: expected one of {sorted(_CHIP_VERSIONS)}, "
-                       f"got {generation!r}")
+    from torch_bindings import tpu_info
+
+    self.facts = tpu_info.facts(generation)  # raises for an unknown name
     self.generation = generation
 
   def __enter__(self):
     from jax._src.pallas.mosaic import tpu_info as ti
 
-    chip = getattr(ti.ChipVersion, _CHIP_VERSIONS[self.generation])
-    info = ti.get_tpu_info_for_chip(chip, 1)
+    chip = ti.ChipVersion(self.facts.chip_version)
+    info = ti.get_tpu_info_for_chip(chip, self.facts.tensor_cores_per_device)
     from jax.experimental.pallas import tpu as pltpu
 
     fake = lambda: info
