@@ -210,12 +210,15 @@ def operand_values(operands) -> dict:
   return out
 
 
-def hbm_model(generation: str) -> llo.HbmModel:
+def copy_bytes_per_s(generation: str) -> float:
   from . import model
 
-  c = model.chip(generation)
+  return model.chip(generation).hbm_bytes_per_s * DMA_BANDWIDTH_FRACTION
+
+
+def hbm_model(generation: str) -> llo.HbmModel:
   hz = clock_hz(generation)
-  return llo.HbmModel(c.hbm_bytes_per_s * DMA_BANDWIDTH_FRACTION / hz, DMA_LATENCY_S * hz)
+  return llo.HbmModel(copy_bytes_per_s(generation) / hz, DMA_LATENCY_S * hz)
 
 
 def run_schedule(text: str, operands: dict, generation: str, name: str = "kernel",

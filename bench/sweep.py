@@ -180,7 +180,7 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     g["notes"] = list(built.notes)
     try:
       raw, launches = ctx.walk((built.key, point.walk_key), built.fn,
-                               point.walker_args())
+                               registry.program_args(built, point.walker_args()))
     except Exception as e:  # noqa: BLE001
       g.update(status="error",
                reason=f"walk: {type(e).__name__}: {e}"[:500])
@@ -229,14 +229,17 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
       share = ((built.glue_key, point.compile_key, xgen)
                if built.glue_key and launches else None)
       if share is not None and share in ctx.rests:
-        rest_flops, rest_bytes, source, est_cycles = ctx.rests[share]
+        rest_flops, rest_bytes, source, est_cycles, copy_bytes = ctx.rests[share]
         have_rest = True
         g["xla_part_from"] = source
         g["xla_estimated_cycles"] = est_cycles
+        g["xla_unestimated_copy_bytes"] = copy_bytes
       else:
         comp = ctx.compile(("program", built.key, point.compile_key), xgen,
-                           built.fn, point.compile_args(), want_cycles=True)
+                           built.fn, registry.program_args(built, point.compile_args()),
+                           want_cycles=True)
         g["xla_estimated_cycles"] = est_cycles = comp.estimated_cycles
+        g["xla_unestimated_copy_bytes"] = copy_bytes = comp.copy_bytes
         g["compiler_flops"] = comp.flops
         g["compiler_bytes"] = comp.bytes_accessed
         if not launches:
@@ -253,14 +256,15 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
           rest_bytes = max(0.0, (comp.bytes_accessed or 0.0) - declared_b)
           have_rest = True
           if not launches:
-            floor = _input_output_bytes(point.compile_args(), built.fn)
+            floor = _input_output_bytes(
+                registry.program_args(built, point.compile_args()), built.fn)
             if rest_bytes < floor:
               g["notes"].append(
                   f"compiler reported {rest_bytes:.3g} bytes < inputs+outputs "
                   f"{floor:.3g}; using inputs+outputs")
               rest_bytes = float(floor)
           if share is not None:
-            ctx.rests[share] = (rest_flops, rest_bytes, impl.name, est_cycles)
+            ctx.rests[share] = (rest_flops, rest_bytes, impl.name, est_cycles, copy_bytes)
     if not launches and not have_rest:
       g.update(status="error", reason="XLA program: no compiler cost ("
                + ("did not compile" if ctx.do_compile else "compile disabled")
@@ -270,10 +274,14 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     total = pallas_s + xla_s
     g["xla_us"] = xla_s * 1e6
     # Scheduled: the XLA part is charged the compiler's estimated cycles
-    # (sum over the entry computation's fusions that carry one), never less
-    # than its roofline (sorts, gathers and scatters carry no estimate).
-    est = g.get("xla_estimated_cycles") if g.get("xla_compiled_for") == gen else None
-    xla_sched_s = max(xla_s, (est or 0) / schedule.clock_hz(gen))
+    # (every fusion that carries one) plus the copies and transposes it left
+    # without one (relayouts) at the DMA copy bandwidth, never less than its
+    # roofline (sorts, gathers and scatters carry no estimate).
+    same_gen = g.get("xla_compiled_for") == gen
+    est = g.get("xla_estimated_cycles") if same_gen else None
+    copies = g.get("xla_unestimated_copy_bytes") if same_gen else None
+    xla_sched_s = max(xla_s, (est or 0) / schedule.clock_hz(gen)
+                      + (copies or 0) / schedule.copy_bytes_per_s(gen))
     g["xla_scheduled_us"] = xla_sched_s * 1e6
     if raw and sched_missing:
       g["scheduled_us"] = None
@@ -301,7 +309,8 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     g["measured_us"] = None
     if ctx.measure and gen == tpu_info.attached_generation():
       try:
-        g["measured_us"] = measure_us(built.fn, point.real_args())
+        g["measured_us"] = measure_us(built.fn,
+                                      registry.program_args(built, point.real_args()))
       except Exception as e:  # noqa: BLE001
         g["measure_error"] = f"{type(e).__name__}: {e}"[:300]
   return rec

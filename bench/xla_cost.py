@@ -37,6 +37,7 @@ class Compiled:
   estimated_cycles: int | None  # sum over the entry computation's fusions
   seconds: float  # compile wall time on this host
   schedule: str | None = None  # the Mosaic kernel's final bundles, packed
+  copy_bytes: int | None = None  # moved by copies/transposes with no estimate
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -58,6 +59,28 @@ def _entry_cycles(hlo_text: str) -> int | None:
   """
   found = [int(m) for m in _CYCLES.findall(hlo_text) if int(m) != _NO_ESTIMATE]
   return sum(found) if found else None
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COPY = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* (copy|transpose)\(", re.M)
+
+
+def _unestimated_copy_bytes(hlo_text: str) -> int:
+  """Bytes read + written by the copies and transposes XLA left without an
+  estimate (e.g. relayouts of weights it is given in another layout): time
+  the estimated cycles do not include."""
+  total = 0
+  for m in _COPY.finditer(hlo_text):
+    line_end = hlo_text.find("\n", m.end())
+    if '"estimated_cycles"' in hlo_text[m.start():line_end]:
+      continue
+    dims = [int(d) for d in m.group(2).split(",") if d]
+    n = 1
+    for d in dims:
+      n *= d
+    total += 2 * n * _ITEMSIZE.get(m.group(1), 4)
+  return total
 
 
 def compile_program(fn: Callable, args: Sequence[Any], generation: str,
@@ -90,9 +113,10 @@ def compile_program(fn: Callable, args: Sequence[Any], generation: str,
   temp, flops, nbytes = executable_costs(exe)
   dumps = schedule.collect(tag)
   cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
+  copies = _unestimated_copy_bytes(dumps.hlo) if (want_cycles and dumps.hlo) else None
   sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
   return Compiled(generation, True, None, temp, flops, nbytes, cycles,
-                  time.perf_counter() - t0, sched)
+                  time.perf_counter() - t0, sched, copies)
 
 
 def _short_error(msg: str) -> str:
