@@ -248,9 +248,16 @@ def main(argv=None) -> int:
   p.add_argument("--gmm-v2", default=os.environ.get("BENCH_GMM_V2"),
                  help="path to tpu-inference's tpu_inference/kernels/megablox/gmm_v2.py")
   p.add_argument("--out", default=None, help="write the table to this file")
+  p.add_argument("--fast", action="store_true",
+                 help="skip the scheduled time of PR 1221's m=65536 stand-in (minutes)")
+  p.add_argument("--tokamax-prefill", action="store_true",
+                 help="also schedule tokamax's ragged_dot at Qwen3 8k prefill on tpu7x "
+                 "(about 15 minutes: its heuristic 128x128x128 tiles make ~250k DMAs)")
   args = p.parse_args(argv)
-  rows = (reference_walk() + issue_3520(args.gmm_v2) + tokamax_1221()
-          + splash_fraction_of_peak() + tokamax_prefill_tflops())
+  rows = (reference_walk() + issue_3520(args.gmm_v2) + tokamax_1221(scheduled=not args.fast)
+          + splash_fraction_of_peak())
+  if args.tokamax_prefill:
+    rows += tokamax_prefill_tflops()
   text = table(rows)
   print(text)
   if args.out:

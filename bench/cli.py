@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--rmsnorm-hidden", type=_ints, default=None)
   p.add_argument("--rmsnorm-tokens", type=_ints, default=None)
   p.add_argument("--attention-seqs", type=_ints, default=None)
+  p.add_argument("--attention-directions", type=_strs, default=None,
+                 help="comma list of fwd, train (forward + backward); default fwd for "
+                 "--quick, both otherwise")
   p.add_argument("--seed", type=int, default=0, help="routing seed")
   p.add_argument("--no-compile", action="store_true",
                  help="skip the AOT TPU compile gate (model from the walk only)")
@@ -114,8 +117,13 @@ def build_tasks(args):
         tasks += [(i, points.RmsNormPoint(h, t)) for i in impls("rmsnorm")]
   if "attention" in args.kernels:
     seqs = args.attention_seqs or ([2048] if args.quick else list(points.ATTENTION_SEQS))
+    dirs = args.attention_directions or (["fwd"] if args.quick else ["fwd", "train"])
+    bad = [d for d in dirs if d not in ("fwd", "train")]
+    if bad:
+      raise SystemExit(f"--attention-directions: unknown {bad}; known: fwd, train")
     for n in seqs:
-      tasks += [(i, points.AttentionPoint(n)) for i in impls("attention")]
+      for d in dirs:
+        tasks += [(i, points.AttentionPoint(n, direction=d)) for i in impls("attention")]
   return tasks
 
 

@@ -68,6 +68,9 @@ class AttentionPoint:
   kv_heads: int = 8
   head_dim: int = 128
   dtype: str = "bfloat16"
+  # "fwd", or "train": forward then backward (jax.vjp of the implementation,
+  # cotangent = the output), what one training step of the layer costs.
+  direction: str = "fwd"
   kernel = "attention"
 
   @property
@@ -77,12 +80,23 @@ class AttentionPoint:
   def labels(self) -> dict:
     return dict(seq=self.seq, batch=self.batch, q_heads=self.q_heads,
                 kv_heads=self.kv_heads, head_dim=self.head_dim, causal=True,
-                dtype=self.dtype, tokens=self.tokens)
+                dtype=self.dtype, tokens=self.tokens, direction=self.direction)
 
   @property
   def walk_key(self):
     return ("attention", self.seq, self.batch, self.q_heads, self.kv_heads,
-            self.head_dim, self.dtype)
+            self.head_dim, self.dtype, self.direction)
+
+  def program(self, fn):
+    """The program to time for implementation `fn(q, k, v)`."""
+    if self.direction == "fwd":
+      return fn
+
+    def train(q, k, v):
+      out, vjp = jax.vjp(fn, q, k, v)
+      return vjp(out)
+
+    return train
 
   compile_key = walk_key
 
@@ -103,11 +117,14 @@ class AttentionPoint:
     it = jnp.dtype(self.dtype).itemsize
     q = self.batch * self.q_heads * self.seq * self.head_dim * it
     kv = self.batch * self.kv_heads * self.seq * self.head_dim * it
-    return 2 * q + 2 * kv
+    # forward: q, k, v in, out; backward: q, k, v, out, dout in, dq, dk, dv out
+    return 2 * q + 2 * kv if self.direction == "fwd" else 6 * q + 6 * kv
 
   def useful_flops(self) -> int:
-    # QK^T and PV over the causal half
-    return 2 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim
+    # QK^T and PV over the causal half; the backward's four products (dV, dP,
+    # dQ, dK) are twice that
+    fwd = 2 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim
+    return fwd if self.direction == "fwd" else 3 * fwd
 
   def roofline_s(self, generation: str) -> float:
     c = model.chip(generation)

@@ -73,13 +73,14 @@ def _point_key(r: dict) -> tuple:
     return (r["model"], r["routing"], r["tokens"])
   if r["kernel"] == "rmsnorm":
     return (r["hidden"], r["tokens"])
-  return (r["seq"], r["batch"], r["q_heads"], r["kv_heads"], r["head_dim"])
+  return (r["seq"], r.get("direction", "fwd"), r["batch"], r["q_heads"], r["kv_heads"],
+          r["head_dim"])
 
 
 _POINT_COLS = {
     "moe": ["model", "routing", "tokens"],
     "rmsnorm": ["hidden", "tokens"],
-    "attention": ["seq", "batch", "q_heads", "kv_heads", "head_dim"],
+    "attention": ["seq", "direction", "batch", "q_heads", "kv_heads", "head_dim"],
 }
 
 
@@ -128,7 +129,7 @@ def markdown(records: list, env: dict, meta: dict) -> str:
       for key, row in table.items():
         any_rec = next(iter(row.values()))
         roof = any_rec["per_generation"].get(gen, {}).get("roofline_us")
-        cells = [str(any_rec[c]) for c in cols]
+        cells = [str(any_rec.get(c, "")) for c in cols]
         cells.append(f"{roof:,.1f}" if roof else "")
         cells += [_cell(row.get(i, {}).get("per_generation", {}).get(gen))
                   for i in impls]
@@ -155,7 +156,7 @@ def markdown(records: list, env: dict, meta: dict) -> str:
                 r["per_generation"].get(x, {}).get("compiles")]
             for x in gens)
         meas = g.get("measured_us")
-        out.append("| " + " | ".join(str(r[c]) for c in cols)
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in cols)
                    + f" | {impl} | {g['bytes_over_min']:.2f} | "
                    f"{g['flops_over_useful']:.2f} | {g.get('pallas_steps', 0)} | "
                    f"{comp} | {g.get('dma_issues', 0)} | {_stall_us(g, gen)} | "

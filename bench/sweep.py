@@ -171,6 +171,9 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
     g["roofline_us"] = roof * 1e6
     try:
       built = impl.build(point, gen, ctx)
+      if hasattr(point, "program"):
+        built = dataclasses.replace(built, fn=point.program(built.fn),
+                                    key=built.key + (point.walk_key[-1],))
     except registry.Skip as e:
       g.update(status="skipped", reason=str(e))
       continue

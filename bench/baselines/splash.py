@@ -43,7 +43,10 @@ def _splash_modules():
 def _jax_kernel(seq: int, q_heads: int, block: int, interpret: bool):
   sk, sm = _splash_modules()
   b = min(block, seq)
-  sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b)
+  # backward blocks as MaxText sets them (fused dK/dV+dQ kernel), so the
+  # training direction runs too
+  sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                        block_kv_dkv=b, block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
   mask = sm.MultiHeadMask(tuple(sm.CausalMask((seq, seq)) for _ in range(q_heads)))
   # concrete mask tables even when first called under a trace (cached here)
   with jax.ensure_compile_time_eval():
