@@ -100,7 +100,8 @@ def build_tasks(args):
       if bad:
         raise SystemExit(f"--models: unknown {bad}; known: {list(moe.MODELS)}")
       shapes = [moe.MODELS[n] for n in names]
-    batches = args.batches or ([1, 64, 512] if args.quick else list(moe.DECODE_TOKENS))
+    batches = args.batches if args.batches is not None else (
+        [1, 64, 512] if args.quick else list(moe.DECODE_TOKENS))
     prefill = args.prefill if args.prefill is not None else (
         [] if args.quick else list(moe.PREFILL_TOKENS))
     routings = args.routing or (["uniform"] if args.quick else list(moe.ROUTINGS))
