@@ -17,6 +17,10 @@ for p in [*KERNEL_DIRS, ROOT, ROOT / "tests"]:
     if str(p) not in sys.path:
         sys.path.append(str(p))
 
+# bench's scheduled-time tests read the TPU compiler's dumps, which libtpu
+# only writes when the flags are set before it loads (any test importing
+# torch_tpu loads it): switch them on first, whatever the collection order.
+import bench  # noqa: E402,F401
 from hypothesis import settings  # noqa: E402
 
 # Interpret mode is slow: few, deterministic examples, no deadline.
