@@ -50,6 +50,7 @@ def _libtpu_loaded() -> bool:
 
 
 _DIR_ENV = "BENCH_DUMP_DIR"
+_TAG_PREFIX = "bench"
 _PID_ENV = "BENCH_DUMP_PID"
 
 
@@ -72,9 +73,12 @@ def enable_dumps() -> str | None:
   os.environ[_PID_ENV] = str(os.getpid())
   libtpu = re.sub(r"--xla_jf_dump_to=\S+|" + re.escape(_LLO_FLAGS), "",
                   os.environ.get("LIBTPU_INIT_ARGS", ""))
-  xla = re.sub(r"--xla_dump_to=\S+|--xla_dump_hlo_as_text", "", os.environ.get("XLA_FLAGS", ""))
+  xla = re.sub(r"--xla_dump_to=\S+|--xla_dump_hlo_as_text|--xla_dump_hlo_module_re=\S+", "",
+               os.environ.get("XLA_FLAGS", ""))
   os.environ["LIBTPU_INIT_ARGS"] = f"{libtpu.strip()} --xla_jf_dump_to={d}/llo {_LLO_FLAGS}".strip()
-  os.environ["XLA_FLAGS"] = f"{xla.strip()} --xla_dump_to={d}/xla --xla_dump_hlo_as_text".strip()
+  # only the programs bench names (new_tag): not every CPU jit of the process
+  os.environ["XLA_FLAGS"] = (f"{xla.strip()} --xla_dump_to={d}/xla --xla_dump_hlo_as_text "
+                             f"--xla_dump_hlo_module_re=.*{_TAG_PREFIX}[0-9]+n[0-9]+.*").strip()
   return d
 
 
@@ -90,7 +94,7 @@ def new_tag() -> str:
   """A program name no other compile of this process uses (dump files carry it)."""
   with _lock:
     _counter[0] += 1
-    return f"bench{os.getpid()}n{_counter[0]}"
+    return f"{_TAG_PREFIX}{os.getpid()}n{_counter[0]}"
 
 
 @dataclasses.dataclass
