@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="skip the scheduled time (the compiler's VLIW schedule, run); "
                  "ideal model only")
   p.add_argument("--list", action="store_true", help="list implementations and exit")
+  p.add_argument("--summary", action="store_true",
+                 help="print scheduled and ideal µs per point (always on with --quick)")
   args = p.parse_args(argv)
   custom = [args.experts, args.top_k, args.hidden, args.intermediate]
   if any(v is not None for v in custom) and not all(v is not None for v in custom):
@@ -260,9 +262,11 @@ def main(argv=None) -> int:
               reference_generation="v6e" if args.xla_v6e_only else "all",
               schedule_s=timings.get("schedule", 0.0))
   files = report.write_all(args.out, records, sweep.environment(), meta)
+  if args.quick or args.summary:
+    print(report.summary(records, list(gens)))
   print(f"{len(records)} records in {elapsed:.1f} s with {jobs} job(s) "
-        f"(walk {timings['walk']:.1f} s, compile {timings['compile']:.1f} s, summed "
-        "over jobs)")
+        f"(walk {timings['walk']:.1f} s, compile {timings['compile']:.1f} s, schedule "
+        f"{timings.get('schedule', 0.0):.1f} s, summed over jobs)")
   for f in files:
     print(" ", f)
   return 0

@@ -175,6 +175,25 @@ def markdown(records: list, env: dict, meta: dict) -> str:
   return "\n".join(out) + "\n"
 
 
+def summary(records: list, gens: list) -> str:
+  """One line per point and generation: every implementation's scheduled µs
+  (× roofline) and ideal µs, for the terminal."""
+  out = []
+  table = collections.OrderedDict()
+  for r in records:
+    table.setdefault((r["kernel"], _point_key(r)), {})[r["impl"]] = r
+  for (kernel, key), row in table.items():
+    label = f"{kernel} " + " ".join(str(k) for k in key)
+    for gen in gens:
+      cells = []
+      for impl, r in row.items():
+        g = r["per_generation"].get(gen, {})
+        cells.append(f"{impl} {_cell(g)}")
+      roof = next(iter(row.values()))["per_generation"].get(gen, {}).get("roofline_us")
+      out.append(f"{label} [{gen}, roofline {roof or 0:,.1f} µs]: " + "; ".join(cells))
+  return "\n".join(out)
+
+
 def plots(out_dir: str, records: list, gens: list) -> list[str]:
   import matplotlib
 
