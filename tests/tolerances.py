@@ -98,3 +98,44 @@ def assert_close(actual, expected, *, dtype=None, magnitude=None, roundings: flo
             f"bound {b[i]:.3g}")
     ok = b > 0
     return float(np.max(err[ok] / b[ok])) if ok.any() else 0.0
+
+
+# -- attention -----------------------------------------------------------------
+# bf16 roundings inside the flash-attention kernels, per result: P is cast to
+# bf16 before the PV (out) and P^T dO (dV) matmuls: 1. dS is cast before the dQ
+# and dK matmuls (1), delta = sum(dO * O) uses the bf16-rounded forward output
+# whose own error is up to 2 roundings of P|V| (2), plus the output rounding
+# of the result relative to its terms (1): 4. dsinks = -sum p_sink * delta: 3.
+ATTENTION_ROUNDINGS = {"out": 1, "dv": 1, "dq": 4, "dk": 4, "dsinks": 3}
+
+
+def attention_magnitudes(p, q, k, v, do, dlse, sinks, scale):
+    """Sums of absolute terms behind each attention result, layout [B, H, S, D].
+
+    p [B, Hq, Sq, Skv]: the reference's softmax probabilities (the reference
+    run with V = identity). dlse [B, Hq, Sq]: the logsumexp cotangent (0 if
+    unused). The sink's probability is what P's row leaves: 1 - sum_j p_ij.
+    out ~ P|V|; dV ~ P^T|dO|; dQ ~ scale * W|K| and dK ~ scale * W^T|Q| with
+    W = P * (2D + |dO||V|^T), D = |dO| . P|V| + |dlse| bounding delta and its
+    error scale (|dS| <= P (|dP| + |delta|)); dsinks ~ sum p_sink * D.
+    """
+    f = lambda x: np.abs(as_f32(x))  # noqa: E731
+    p = as_f32(p)
+    hq, hkv = q.shape[1], k.shape[1]
+    grp = hq // hkv
+    qa, doa = f(q), f(do)
+    ka, va = np.repeat(f(k), grp, axis=1), np.repeat(f(v), grp, axis=1)
+    a = p @ va
+    dd = np.sum(doa * a, axis=-1) + (0.0 if dlse is None else f(dlse))
+    w = p * (2.0 * dd[..., None] + doa @ np.swapaxes(va, -1, -2))
+    fold = lambda x: x.reshape(x.shape[0], hkv, grp, *x.shape[2:]).sum(axis=2)  # noqa: E731
+    mags = {
+        "out": a,
+        "dq": scale * (w @ ka),
+        "dk": fold(scale * (np.swapaxes(w, -1, -2) @ qa)),
+        "dv": fold(np.swapaxes(p, -1, -2) @ doa),
+    }
+    if sinks is not None:
+        p_sink = np.clip(1.0 - p.sum(axis=-1), 0.0, 1.0)
+        mags["dsinks"] = np.sum(p_sink * dd, axis=(0, 2))
+    return mags

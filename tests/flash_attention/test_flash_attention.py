@@ -32,7 +32,7 @@ from flash_attention_tpu import block_schedule as bsched  # noqa: E402
 from flash_attention_tpu import checks, tiling  # noqa: E402
 from flash_attention_tpu import flash_attention as fa  # noqa: E402
 from flash_attention_tpu import reference as ref  # noqa: E402
-from tolerances import assert_close  # noqa: E402
+from tolerances import ATTENTION_ROUNDINGS, assert_close, attention_magnitudes  # noqa: E402
 
 SMALL = tiling.BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
 # 256 blocks cut into 128 sub-tiles: exercises the sub-tiled masked path.
@@ -40,10 +40,6 @@ SUBTILED = tiling.BlockSizes(block_q=256, block_kv=256, block_q_bwd=256, block_k
                              sub_block=128)
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 SCALES = [None, 0.05, 0.3]  # softmax_scale: default 1/sqrt(D), and two others
-
-# bf16 roundings inside the kernels, per result (see the module docstring).
-ROUNDINGS = {"out": 1, "dv": 1, "dq": 4, "dk": 4, "dsinks": 3}
-
 
 def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
@@ -54,36 +50,6 @@ def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
     do = jax.random.normal(ks[3], (b, hq, sq, dv), jnp.float32).astype(dtype).astype(jnp.float32)
     sinks = jax.random.normal(ks[4], (hq,), jnp.float32) if with_sinks else None
     return q, k, v, do, sinks
-
-
-def _magnitudes(p, q, k, v, do, dlse, sinks, rlse, scale):
-    """Sums of absolute terms behind each result, dense layout [B, H, S, D].
-
-    p [B, Hq, Sq, Skv]: the reference's softmax probabilities.
-    """
-    f = lambda x: np.abs(np.asarray(x, np.float32))  # noqa: E731
-    p = np.asarray(p, np.float32)
-    hq, hkv = q.shape[1], k.shape[1]
-    grp = hq // hkv
-    qa, doa = f(q), f(do)
-    ka, va = np.repeat(f(k), grp, axis=1), np.repeat(f(v), grp, axis=1)
-    a = p @ va  # P|V| >= |out|
-    dd = np.sum(doa * a, axis=-1) + f(dlse)  # bounds |delta| and its error scale
-    e = doa @ np.swapaxes(va, -1, -2)  # |dO||V|^T >= |dP|
-    w = p * (2.0 * dd[..., None] + e)
-    fold = lambda x: x.reshape(x.shape[0], hkv, grp, *x.shape[2:]).sum(axis=2)  # noqa: E731
-    mags = {
-        "out": a,
-        "dq": scale * (w @ ka),
-        "dk": fold(scale * (np.swapaxes(w, -1, -2) @ qa)),
-        "dv": fold(np.swapaxes(p, -1, -2) @ doa),
-    }
-    if sinks is not None:
-        lse = np.asarray(rlse, np.float32)
-        s = np.asarray(sinks, np.float32)[None, :, None]
-        p_sink = np.where(np.isfinite(lse), np.exp(s - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
-        mags["dsinks"] = np.sum(p_sink * dd, axis=(0, 2))
-    return mags
 
 
 def _check_all(kernel_fn, ref_fn, probs_fn, q, k, v, do, sinks, dtype, scale,
@@ -115,9 +81,9 @@ def _check_all(kernel_fn, ref_fn, probs_fn, q, k, v, do, sinks, dtype, scale,
     assert not bool(jnp.any(jnp.isnan(o.astype(jnp.float32))))
     dlse = jnp.where(jnp.isfinite(rlse), w_lse.reshape(rlse.shape), 0.0)
     p = jax.jit(probs_fn)(f32(q), f32(k), sinks)
-    mags = _magnitudes(to_dense(p), to_dense(q), to_dense(k), to_dense(v), to_dense(do),
-                       to_dense(dlse), sinks, to_dense(rlse), scale)
-    rnd = (lambda name: ROUNDINGS[name]) if dtype == jnp.bfloat16 else (lambda name: 0)
+    mags = attention_magnitudes(to_dense(p), to_dense(q), to_dense(k), to_dense(v),
+                                to_dense(do), to_dense(dlse), sinks, scale)
+    rnd = (lambda name: ATTENTION_ROUNDINGS[name]) if dtype == jnp.bfloat16 else (lambda name: 0)
     low = jnp.dtype(dtype)
     assert_close(o, ro, dtype=low, magnitude=from_dense(mags["out"]), roundings=rnd("out"),
                  what="out")
