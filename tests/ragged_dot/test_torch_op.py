@@ -6,9 +6,22 @@ from hypothesis import given, strategies as st
 
 import ragged_dot_tpu
 from ragged_dot_tpu.reference_torch import ragged_dot_torch
+from tolerances import assert_close
 from torch_bindings import cpu_impl
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+def _torch_fwd_bwd(lhs, rhs_kn, gs, dy, transpose):
+    """ragged_dot_torch in f32 and its gradients (rhs gradient in the op's layout)."""
+    lhs32 = lhs.detach().float().requires_grad_()
+    rhs32 = rhs_kn.detach().float().requires_grad_()
+    out = ragged_dot_torch(lhs32, rhs32, gs)
+    if out.requires_grad:
+        d_lhs, d_rhs = torch.autograd.grad(out, (lhs32, rhs32), dy.float(), allow_unused=True)
+    else:  # no row in any group: nothing depends on the inputs
+        d_lhs = d_rhs = None
+    d_lhs = torch.zeros_like(lhs32) if d_lhs is None else d_lhs
+    d_rhs = torch.zeros_like(rhs32) if d_rhs is None else d_rhs
+    return out.detach(), d_lhs, d_rhs.transpose(1, 2) if transpose else d_rhs
 
 
 @st.composite
@@ -37,23 +50,13 @@ def test_ragged_dot_and_grads_match_torch(impl, problem):
     with cpu_impl(impl):
         out = ragged_dot_tpu.ragged_dot(lhs, rhs, gs, transpose_rhs=transpose)
         d_lhs, d_rhs = torch.autograd.grad(out, (lhs, rhs), dy)
-    lhs32 = lhs.detach().float().requires_grad_()
-    rhs32 = rhs_kn.float().requires_grad_()
-    ref = ragged_dot_torch(lhs32, rhs32, gs)
-    if ref.requires_grad:
-        r_lhs, r_rhs = torch.autograd.grad(ref, (lhs32, rhs32), dy.float(), allow_unused=True)
-    else:  # no row in any group: nothing depends on the inputs
-        r_lhs = r_rhs = None
-    r_lhs = torch.zeros_like(lhs32) if r_lhs is None else r_lhs
-    r_rhs = torch.zeros_like(rhs32) if r_rhs is None else r_rhs
-    if transpose:
-        r_rhs = r_rhs.transpose(1, 2)
-    tol = TOL[dtype]
+    ref = _torch_fwd_bwd(lhs, rhs_kn, gs, dy, transpose)
+    # Magnitudes: the same products on absolute values (tests/tolerances.py).
+    mags = _torch_fwd_bwd(lhs.abs(), rhs_kn.abs(), gs, dy.abs(), transpose)
     assert out.dtype == dtype and out.shape == (m, n)
-    torch.testing.assert_close(out.float(), ref, **tol)
     assert torch.all(out[sum(sizes):] == 0)
-    torch.testing.assert_close(d_lhs.float(), r_lhs, **tol)
-    torch.testing.assert_close(d_rhs.float(), r_rhs, **tol)
+    for name, got, want, mag in zip(("out", "d_lhs", "d_rhs"), (out, d_lhs, d_rhs), ref, mags):
+        assert_close(got, want, magnitude=mag, what=name)
 
 
 def test_group_offset_shards_sum_to_full_result():
@@ -72,22 +75,33 @@ def test_grouped_mm_convention_and_out_dtype():
     x, w = torch.randn(12, 16, generator=gen).bfloat16(), torch.randn(3, 16, 8, generator=gen).bfloat16()
     offs = torch.tensor([4, 4, 12], dtype=torch.int32)
     out = ragged_dot_tpu.grouped_mm(x, w, offs)
-    ref = ragged_dot_torch(x, w, torch.tensor([4, 0, 8]))
-    torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=2e-2)
+    ref = ragged_dot_torch(x.float(), w.float(), torch.tensor([4, 0, 8]))
+    mag = ragged_dot_torch(x.float().abs(), w.float().abs(), torch.tensor([4, 0, 8]))
+    assert_close(out, ref.float(), magnitude=mag, what="grouped_mm")
     f32 = ragged_dot_tpu.ragged_dot(x, w, torch.tensor([4, 0, 8]), out_dtype=torch.float32)
     assert f32.dtype == torch.float32
 
 
 def test_torch_compile_fullgraph():
-    lhs, rhs = torch.randn(10, 16, requires_grad=True), torch.randn(2, 16, 8)
-    gs = torch.tensor([3, 7], dtype=torch.int32)
+    """Traced with no graph break; output and both gradients match the torch loop."""
+    gen = torch.Generator().manual_seed(4)
+    lhs = torch.randn(10, 16, generator=gen, requires_grad=True)
+    rhs = torch.randn(2, 16, 8, generator=gen, requires_grad=True)
+    gs = torch.tensor([3, 5], dtype=torch.int32)  # 2 tail rows past the sum
+    c = torch.randn(10, 8, generator=gen)
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(a, b, g):
-        return ragged_dot_tpu.ragged_dot(a, b, g).sum()
+        return (ragged_dot_tpu.ragged_dot(a, b, g) * c).sum()
 
-    f(lhs, rhs, gs).backward()
-    torch.testing.assert_close(lhs.grad[:3], rhs[0].sum(-1).expand(3, 16))
+    out = f(lhs, rhs, gs)
+    grads = torch.autograd.grad(out, (lhs, rhs))
+    ref = (ragged_dot_torch(lhs, rhs, gs) * c).sum()
+    ref_grads = torch.autograd.grad(ref, (lhs, rhs))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    for name, g, r in zip(("d_lhs", "d_rhs"), grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert torch.all(grads[0][8:] == 0)
 
 
 BAD = [
