@@ -16,6 +16,17 @@ def _strs(s: str) -> list[str]:
   return [x.strip() for x in s.split(",") if x.strip()]
 
 
+# --quick models the two generations the kernels are tuned for; the full
+# sweep adds v5e.
+QUICK_GENERATIONS = ("v6e", "tpu7x")
+
+
+def generations(args) -> tuple:
+  from . import model
+
+  return tuple(args.generations or (QUICK_GENERATIONS if args.quick else model.GENERATIONS))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       prog="python -m bench",
@@ -24,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default="bench_out", help="output folder")
   p.add_argument("--quick", action="store_true",
                  help="short run: qwen3-30b-a3b at 1, 64, 512 tokens, uniform routing, "
-                 "2 rmsnorm and 1 attention point")
+                 "2 rmsnorm and 1 attention point, v6e and tpu7x, every implementation")
   p.add_argument("--kernels", type=_strs, default=["moe", "rmsnorm", "attention"],
                  help="comma list of moe, rmsnorm, attention")
   p.add_argument("--models", type=_strs, default=None,
@@ -160,7 +171,7 @@ def _worker(argv, indices, cache, read_also, queue):
   args = parse_args(argv)
   from . import model, sweep
 
-  gens = tuple(args.generations or model.GENERATIONS)
+  gens = generations(args)
   tasks = build_tasks(args)
   ctx = _context(args, gens, cache, read_also)
   out = []
@@ -204,6 +215,10 @@ def _run_parallel(args, argv, tasks, jobs, cache):
       except Exception:  # noqa: BLE001 - queue.Empty
         pass
     results = [p.get() for p in pending]
+    # A pool left by `with` is terminated, and libtpu's handler in each worker
+    # prints a SIGTERM stack trace: let the workers exit on their own.
+    pool.close()
+    pool.join()
   if bar is not None:
     bar.close()
   xla_cost.CompileCache(cache).merge_from(paths)
@@ -238,7 +253,7 @@ def main(argv=None) -> int:
     for i in registry.REGISTRY.values():
       print(f"{i.kernel:10s} {i.name:28s} {i.description}")
     return 0
-  gens = tuple(args.generations or model.GENERATIONS)
+  gens = generations(args)
   for g in gens:
     model.chip(g)
   os.makedirs(args.out, exist_ok=True)

@@ -192,6 +192,10 @@ def run_rmsnorm(loaded, repos, dev: str) -> None:
         raise SystemExit("kernelized RMSNorm disagrees with transformers")
 
 
+MAIN_JOB_IMPLS = ("ours_moe_experts", "hf_grouped_mm", "ours_rmsnorm", "xla_rmsnorm",
+                  "ours_flash_attention", "jax_splash_attention")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "results"), help="where the sweep report and plots go")
@@ -210,7 +214,13 @@ def main(argv=None) -> int:
     loaded = load_all(repos)
     run_rmsnorm(loaded, repos, dev)
     run_moe(loaded, dev)
-    sweep = [sys.executable, "-m", "bench", "--out", args.out] + ([] if args.full else ["--quick"])
+    sweep = [sys.executable, "-m", "bench", "--out", args.out]
+    if not args.full:
+        # The short sweep: our kernels against what a user runs without them
+        # (transformers' grouped_mm, XLA RMSNorm, JAX's splash attention), on
+        # v6e and tpu7x. `python -m bench --quick` adds every other baseline;
+        # --full, every model, batch and generation.
+        sweep += ["--quick", "--impls", ",".join(MAIN_JOB_IMPLS)]
     _say("sweep: " + " ".join(sweep[1:]))
     run_sweep(sweep, Path(args.out) / "sweep.log")
     _say(f"report: {Path(args.out) / 'results.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json")
