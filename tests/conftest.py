@@ -21,10 +21,14 @@ for p in [*KERNEL_DIRS, ROOT, ROOT / "tests"]:
 # only writes when the flags are set before it loads (any test importing
 # torch_tpu loads it): switch them on first, whatever the collection order.
 import bench  # noqa: E402,F401
-from hypothesis import settings  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
 
 # Interpret mode is slow: few, deterministic examples, no deadline.
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=12, print_blob=True)
+# scripts/mutants.py: the same examples, but a failure ends the test at once
+# (no shrinking, no example database): it only needs to know that one fails.
+settings.register_profile("mutants", parent=settings.get_profile("ci"), database=None,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

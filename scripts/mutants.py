@@ -1,0 +1,507 @@
+"""Mutation check: plant known bugs one at a time and require the tests to catch each.
+
+Usage (after `source scripts/env.sh`):
+
+    python scripts/mutants.py                 # every mutant; non-zero exit if any survives
+    python scripts/mutants.py --only rms-dw-overwrite,gmm-skip-last-expert
+    python scripts/mutants.py --check         # only verify the list (fast, no tests run)
+    python scripts/mutants.py --list
+
+Each mutant is (file, exact original text, replacement, the tests that should
+catch it). The script copies the working tree (the files git tracks or would
+track) to a temporary directory, never touching the checkout; runs every
+selected test once on the unmodified copy (the baseline must pass, or a
+"caught" would mean nothing); then for each mutant writes the replacement
+into the copy, runs its tests (`-x`, no hypothesis shrinking), records
+caught/survived and the seconds taken, and restores the file. It exits
+non-zero if any mutant survives, if the baseline fails, or if an original
+text does not occur exactly once in its file (so the list cannot silently
+rot when the code changes: update the text, keep the bug).
+
+Test runs are forked from a parent that has already imported JAX, torch and
+pytest (no project module), so each mutant pays for its tests, not for a
+fresh interpreter; `--no-fork` runs each in a subprocess instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # relative to the repository root
+    original: str  # must occur exactly once in the file
+    replacement: str
+    tests: tuple[str, ...]  # pytest node ids (relative to the root) that should fail
+    what: str
+
+
+RMS = "kernels/rmsnorm/rmsnorm_tpu/kernel.py"
+RMS_OPS = "kernels/rmsnorm/rmsnorm_tpu/ops.py"
+GMM = "kernels/ragged_dot/ragged_dot_tpu/gmm.py"
+TGMM = "kernels/ragged_dot/ragged_dot_tpu/tgmm.py"
+RD = "kernels/ragged_dot/ragged_dot_tpu/ragged_dot.py"
+RD_OPS = "kernels/ragged_dot/ragged_dot_tpu/ops.py"
+MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
+EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/experts.py"
+FA = "kernels/flash_attention/flash_attention_tpu/flash_attention.py"
+FA_SCHED = "kernels/flash_attention/flash_attention_tpu/block_schedule.py"
+FA_OPS = "kernels/flash_attention/flash_attention_tpu/ops.py"
+TB = "torch_bindings"
+
+T_RMS = "tests/rmsnorm/test_kernel.py"
+T_RMS_OP = "tests/rmsnorm/test_torch_op.py"
+T_GMM = "tests/ragged_dot/test_gmm.py"
+T_RD_OP = "tests/ragged_dot/test_torch_op.py"
+T_MOE = "tests/ragged_dot/test_moe_jax.py"
+T_EXP = "tests/ragged_dot/test_experts.py"
+T_FA = "tests/flash_attention/test_flash_attention.py"
+T_FA_OP = "tests/flash_attention/test_torch_op.py"
+T_TB = "tests/test_torch_bindings.py"
+
+RMS_BLOCKS = f"{T_RMS}::test_backward_across_row_blocks_with_eps_that_matters"
+FA_SCALE = f"{T_FA}::test_softmax_scale_reaches_every_kernel[0.05-float32]"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- RMSNorm kernels ------------------------------------------------------
+    Mutant("rms-bwd-eps", RMS,
+           "rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)\n    xhat = x * rstd",
+           "rstd = 1.0 / (jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)\n    xhat = x * rstd",
+           (RMS_BLOCKS,), "backward: eps as 1/(sqrt(ms)+eps), not rsqrt(ms+eps)"),
+    Mutant("rms-dw-overwrite", RMS,
+           "dw_ref[...] += jnp.sum(contrib, axis=0, keepdims=True)",
+           "dw_ref[...] = jnp.sum(contrib, axis=0, keepdims=True)",
+           (RMS_BLOCKS,), "backward: weight grad overwritten per row block"),
+    Mutant("rms-dw-tail-mask", RMS,
+           "contrib = jnp.where(row < rows, dy * xhat, 0.0)",
+           "contrib = dy * xhat",
+           (RMS_BLOCKS,), "backward: ragged last block's padded rows summed into dweight"),
+    Mutant("rms-gemma", RMS,
+           "return 1.0 + w if gemma else w",
+           "return w",
+           (RMS_BLOCKS,), "Gemma's (1 + w) dropped"),
+    Mutant("rms-bwd-ds", RMS,
+           "dx = dx + ds_ref[...].astype(jnp.float32)",
+           "dx = dx",
+           (RMS_BLOCKS,), "backward: residual-stream grad ds not added"),
+    Mutant("rms-fused-normalises-x", RMS,
+           "x = s.astype(jnp.float32)",
+           "x = x_ref[...].astype(jnp.float32)",
+           (f"{T_RMS}::test_fused_residual_matches_reference",),
+           "fused forward normalises x instead of x + residual"),
+    Mutant("rms-op-residual-grad", RMS_OPS,
+           "return dx, dx, dw, None, None",
+           "return dx, None, dw, None, None",
+           (f"{T_RMS_OP}::test_fused_add_grads_flow_to_both_inputs",),
+           "binding: no gradient to the residual input"),
+    # -- ragged_dot: gmm ----------------------------------------------------------
+    Mutant("gmm-row-mask", GMM,
+           "keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
+           "keep = ridx < r_hi",
+           (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
+           "gmm: lower row mask dropped (a group overwrites its neighbour's shared tile rows)"),
+    Mutant("gmm-skip-last-expert", GMM,
+           "count = lax.fori_loop(0, num_local, collect, 0)",
+           "count = lax.fori_loop(0, num_local - 1, collect, 0)",
+           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+           "gmm: last expert never made active"),
+    Mutant("gmm-group-offset", GMM,
+           "g = goff_ref[0] + j",
+           "g = j",
+           (f"{T_GMM}::test_shard_fetches_only_its_own_active_experts",),
+           "gmm: expert-parallel group offset ignored"),
+    Mutant("gmm-tile-end", GMM,
+           "tile_hi = jnp.minimum(tile_lo + block_m, m)",
+           "tile_hi = jnp.minimum(tile_lo + block_m - 1, m)",
+           (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
+           "gmm: off-by-one at the row tile's end"),
+    Mutant("gmm-last-row-tile", GMM,
+           "last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m), first, tiles - 1)",
+           "last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m) - 1, first, tiles - 1)",
+           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+           "gmm: lhs index map skips the last row tile holding rows"),
+    Mutant("gmm-dma-slot", GMM,
+           "start(n_i + 1, 0, 1 - slot)",
+           "start(n_i + 1, 0, slot)",
+           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+           "gmm: next N slab prefetched into the buffer in use"),
+    Mutant("gmm-cast", GMM,
+           "x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)",
+           "x = lhs_ref[pl.ds(r0, size), :].astype(jnp.bfloat16)",
+           (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
+           "gmm: f32 lhs rounded to bf16 before the MXU (wrong cast)"),
+    # -- ragged_dot: tgmm and the custom_vjp ---------------------------------------
+    Mutant("tgmm-acc-overwrite", TGMM,
+           "acc_ref[:, pl.ds(c0, piece_n)] += lax.dot_general(",
+           "acc_ref[:, pl.ds(c0, piece_n)] = lax.dot_general(",
+           (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+           "tgmm: accumulator overwritten per row pass"),
+    Mutant("tgmm-row-mask", TGMM,
+           "x = jnp.where(keep, x, jnp.zeros_like(x)).astype(compute_dtype)",
+           "x = x.astype(compute_dtype)",
+           (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+           "tgmm: lhs rows outside the group not masked (NaN in padded rows leaks)"),
+    Mutant("tgmm-tile-end", TGMM,
+           "tile_hi = jnp.minimum(tile_lo + block_m, m)",
+           "tile_hi = jnp.minimum(tile_lo + block_m - 1, m)",
+           (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+           "tgmm: off-by-one at the row tile's end"),
+    Mutant("rd-dlhs-offset", RD,
+           "d_lhs = gmm(grad, rhs, group_sizes, group_offset=group_offset,",
+           "d_lhs = gmm(grad, rhs, group_sizes, group_offset=0,",
+           (f"{T_GMM}::test_group_offset_shards_sum_to_full_result[float32]",),
+           "custom_vjp: d_lhs ignores the shard's group offset"),
+    # -- MoE glue -------------------------------------------------------------------
+    Mutant("moe-offset-sign", MOE,
+           "ids = top_k_index.reshape(-1).astype(jnp.int32) - jnp.asarray(",
+           "ids = top_k_index.reshape(-1).astype(jnp.int32) + jnp.asarray(",
+           (f"{T_MOE}::test_expert_parallel_sentinels_and_shards",),
+           "moe: expert offset added instead of subtracted"),
+    Mutant("moe-unpermute", MOE,
+           "final = weighted[inv].reshape(t, k, h).sum(axis=1)",
+           "final = weighted[order].reshape(t, k, h).sum(axis=1)",
+           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
+           "moe: rows unpermuted with the forward permutation"),
+    Mutant("moe-interleave", MOE,
+           "gate, up = h[:, 0::2], h[:, 1::2]",
+           "up, gate = h[:, 0::2], h[:, 1::2]",
+           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[gpt_oss]",),
+           "moe: interleaved gate/up halves swapped"),
+    Mutant("moe-last-expert-bias", MOE,
+           "ids_clamped = jnp.minimum(key_sorted, num_experts - 1)",
+           "ids_clamped = jnp.minimum(key_sorted, num_experts - 2)",
+           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[gpt_oss]",),
+           "moe: last expert gets its neighbour's bias"),
+    Mutant("moe-weights-cast", MOE,
+           "w = top_k_weights.reshape(-1)[order].astype(jnp.float32)",
+           "w = top_k_weights.reshape(-1)[order].astype(jnp.bfloat16)",
+           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[qwen_mixtral]",),
+           "moe: routing weights rounded to bf16 (wrong cast)"),
+    Mutant("experts-unfused-unpermute", EXPERTS,
+           "return weighted[inv].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)",
+           "return weighted[order].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)",
+           (f"{T_EXP}::test_custom_gate_and_post_norm_take_the_unfused_path",),
+           "experts_forward (unfused path): wrong unpermutation"),
+    Mutant("experts-gelu-tanh", EXPERTS,
+           '"GELUTanh": "gelu_pytorch_tanh",',
+           '"GELUTanh": "gelu",',
+           (f"{T_EXP}::test_forward_and_grads_match_transformers[gemma4-reference]",),
+           "experts_forward: tanh GELU mapped to the exact GELU"),
+    Mutant("experts-up-bias", EXPERTS,
+           'up_bias = getattr(module, f"{prefix}_bias", None) if module.has_bias else None',
+           "up_bias = None",
+           (f"{T_EXP}::test_forward_and_grads_match_transformers[gpt_oss-reference]",),
+           "experts_forward: gate/up bias dropped"),
+    # -- flash attention --------------------------------------------------------------
+    Mutant("fa-fwd-mask", FA,
+           "s = jnp.where(mask, s, NEG_INF)",
+           "s = s",
+           (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
+           "forward: mask dropped from the logits"),
+    Mutant("fa-fwd-sinks", FA,
+           "l = l * keep + jnp.exp(sink - m_fin)",
+           "l = l * keep",
+           (f"{T_FA}::test_decode_layout_multiple_row_blocks_with_sinks",),
+           "forward: sink left out of the softmax denominator"),
+    Mutant("fa-dq-scale", FA,
+           "dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)",
+           "dq_ref[...] = (dq_acc[...] * (1.0 / math.sqrt(prm.head_dim))).astype(dq_ref.dtype)",
+           (FA_SCALE,), "dQ: softmax_scale ignored (1/sqrt(D) used)"),
+    Mutant("fa-dk-overwrite", FA,
+           "dk_acc[...] += dk",
+           "dk_acc[...] = dk",
+           (FA_SCALE,), "dK: accumulator overwritten per q block"),
+    Mutant("fa-dkdv-softcap", FA,
+           "ds = ds * (1.0 - t * t)\n        dk = lax.dot_general",
+           "ds = ds\n        dk = lax.dot_general",
+           (FA_SCALE,), "dK: softcap's tanh derivative dropped"),
+    Mutant("fa-window-left", FA,
+           "m = jnp.logical_and(m, kidx >= qpos - prm.left)",
+           "m = jnp.logical_and(m, kidx > qpos - prm.left)",
+           (f"{T_FA}::test_decode_layout_multiple_row_blocks_with_sinks",),
+           "mask: left window edge off by one"),
+    Mutant("fa-lse-cotangent", FA,
+           "delta = delta - dlse.astype(jnp.float32)",
+           "delta = delta + dlse.astype(jnp.float32)",
+           (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
+           "backward: logsumexp cotangent folded in with the wrong sign"),
+    Mutant("fa-subtile-last", FA_SCHED,
+           "c_hi = xp.minimum(((hi - kf) >> shift) + 1, geom.block_kv // ck)",
+           "c_hi = xp.minimum(((hi - kf) >> shift), geom.block_kv // ck)",
+           (f"{T_FA}::test_sub_tiles_cover_exactly_the_visible_ones",),
+           "schedule: last visible sub-tile of a masked pair skipped"),
+    Mutant("fa-varlen-segments", FA,
+           'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="right") - 1, 0, cu_k.shape[0] - 2)',
+           'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="left") - 1, 0, cu_k.shape[0] - 2)',
+           (f"{T_FA}::test_varlen_many_sequences_some_empty",),
+           "varlen: first key of each sequence assigned to the previous one"),
+    # -- bindings ---------------------------------------------------------------------
+    Mutant("tb-bf16-view", f"{TB}/convert.py",
+           "return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)",
+           "return t.view(torch.float16).numpy()",
+           (f"{T_RMS_OP}::test_forward_and_grads_match_torch[interpret]",),
+           "bindings: bf16 tensors reinterpreted as f16 (wrong cast)"),
+    Mutant("tb-jit-cache-key", f"{TB}/op.py",
+           "key = (impl, statics)",
+           "key = (impl,)",
+           (f"{T_FA_OP}::test_cpu_impl_switch_reaches_the_ops",
+            f"{T_TB}::test_jit_cache_is_keyed_by_static_arguments"),
+           "bindings: compiled functions cached without their static arguments"),
+    Mutant("tb-optional-grad", f"{TB}/op.py",
+           "result[i] = None if args[i] is None else g",
+           "result[i] = g",
+           (f"{T_TB}::test_forward_and_autograd_with_optional_tensor",),
+           "bindings: a gradient returned for an absent optional tensor"),
+    Mutant("rd-op-offset", RD_OPS,
+           "return _jax_ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset,",
+           "return _jax_ragged_dot(lhs, rhs, group_sizes, group_offset=0,",
+           (f"{T_RD_OP}::test_group_offset_shards_sum_to_full_result",),
+           "binding: ragged_dot op drops group_offset"),
+    Mutant("fa-op-scale", FA_OPS,
+           "return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)",
+           "return 1.0 / math.sqrt(head_dim)",
+           (f"{T_FA_OP}::test_attention_forward_padding_masks_and_sinks[none]",),
+           "binding: softmax_scale ignored"),
+)
+
+
+# -- the list itself ---------------------------------------------------------------
+
+
+def check_mutants(root: Path = ROOT, mutants=MUTANTS) -> list[str]:
+    """Problems with the list: each original occurs exactly once, differs from
+    its replacement, ids are unique, and the named test files exist."""
+    problems = []
+    ids = [m.id for m in mutants]
+    for dup in sorted({i for i in ids if ids.count(i) > 1}):
+        problems.append(f"{dup}: duplicate id")
+    for m in mutants:
+        path = root / m.file
+        if not path.is_file():
+            problems.append(f"{m.id}: {m.file} does not exist")
+            continue
+        n = path.read_text().count(m.original)
+        if n != 1:
+            problems.append(f"{m.id}: original text occurs {n} times in {m.file} "
+                            f"(expected once): {m.original!r}")
+        if m.original == m.replacement:
+            problems.append(f"{m.id}: replacement equals the original")
+        if not m.tests:
+            problems.append(f"{m.id}: no tests")
+        for t in m.tests:
+            if not (root / t.split("::")[0]).is_file():
+                problems.append(f"{m.id}: test file of {t} does not exist")
+    return problems
+
+
+# -- running ----------------------------------------------------------------------
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked and untracked-but-not-ignored files)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=ROOT, check=True, capture_output=True).stdout
+    for rel in sorted(set(out.decode().split("\0")) - {""}):
+        src = ROOT / rel
+        if not src.exists() and not src.is_symlink():
+            continue  # deleted in the working tree
+        dst = dest / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+
+
+PYTEST_ARGS = ["-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "--no-header",
+               "-o", "addopts=--import-mode=importlib", "--tb=short", "-W", "ignore"]
+
+
+def first_error(log: Path) -> str:
+    """The first `E ...` line pytest printed: what the failing test said."""
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("E "):
+                return " ".join(line[1:].split())[:110]
+    except OSError:
+        pass
+    return ""
+
+
+def _child_env(tree: Path) -> dict:
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"), HYPOTHESIS_PROFILE="mutants",
+               PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _run_fork(tree: Path, tests, timeout: float, log: Path) -> int:
+    pid = os.fork()
+    if pid == 0:  # child: run pytest in the copy, never return
+        code = 3
+        try:
+            os.setsid()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(tree)
+            os.environ.update(_child_env(tree))
+            sys.dont_write_bytecode = True
+            # Drop this script's folder and the checkout root (the copy's conftest
+            # adds the copy's own folders); keep the environment's site-packages.
+            sys.path[:] = [p for p in sys.path
+                           if p not in ("", str(ROOT), str(ROOT / "scripts"))]
+            import pytest
+
+            code = int(pytest.main([*PYTEST_ARGS, *tests]))
+        except BaseException:  # noqa: BLE001 - report, never unwind into the parent's loop
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -9
+        time.sleep(0.2)
+
+
+def _run_subprocess(tree: Path, tests, timeout: float, log: Path) -> int:
+    with open(log, "w") as f:
+        try:
+            return subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests], cwd=tree,
+                                  env=_child_env(tree), stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return -9
+
+
+def _preload() -> None:
+    """Third-party imports the forked children inherit (no project module)."""
+    import hypothesis  # noqa: F401
+    import jax  # noqa: F401
+    import jax.numpy  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import torch  # noqa: F401
+    from jax.experimental import pallas  # noqa: F401
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated mutant ids")
+    ap.add_argument("--check", action="store_true", help="verify the list only")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the run of the selected tests on the unmodified copy")
+    ap.add_argument("--no-fork", action="store_true", help="one subprocess per test run")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy and logs")
+    args = ap.parse_args(argv)
+
+    mutants = list(MUTANTS)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {m.id for m in mutants}
+        if unknown:
+            ap.error(f"--only: unknown ids {sorted(unknown)}")
+        mutants = [m for m in mutants if m.id in wanted]
+    if args.list:
+        for m in mutants:
+            print(f"{m.id:28s} {m.file}: {m.what}")
+        return 0
+    problems = check_mutants(ROOT, mutants)
+    if problems:
+        print("mutant list is out of date with the code:", *problems, sep="\n  ")
+        return 2
+    print(f"{len(mutants)} mutants well-formed "
+          f"({len({m.file for m in mutants})} files)")
+    if args.check:
+        return 0
+
+    run = _run_subprocess if args.no_fork else _run_fork
+    if not args.no_fork:
+        _preload()
+    t_start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="mutants-"))
+    tree = work / "tree"
+    copy_tree(tree)
+    logs = work / "logs"
+    logs.mkdir()
+    rows, failed = [], False
+    try:
+        if not args.no_baseline:
+            selected = sorted({t for m in mutants for t in m.tests})
+            t0 = time.monotonic()
+            rc = run(tree, selected, args.timeout * 3, logs / "baseline.log")
+            secs = time.monotonic() - t0
+            print(f"baseline: {len(selected)} test selections on the unmodified tree: "
+                  f"{'pass' if rc == 0 else f'FAIL (rc {rc})'} in {secs:.0f} s", flush=True)
+            if rc != 0:
+                print((logs / "baseline.log").read_text()[-4000:])
+                print("baseline failed: the mutants would prove nothing")
+                return 1
+        for m in mutants:
+            path = tree / m.file
+            text = path.read_text()
+            path.write_text(text.replace(m.original, m.replacement, 1))
+            t0 = time.monotonic()
+            try:
+                rc = run(tree, list(m.tests), args.timeout, logs / f"{m.id}.log")
+            finally:
+                path.write_text(text)
+            secs = time.monotonic() - t0
+            # pytest: 1 = tests failed; 2-4 = collection/usage errors still mean
+            # the bug broke the tests; 5 = nothing collected is a list error.
+            if rc == 5:
+                result = "NO TESTS"
+            elif rc == 0:
+                result = "SURVIVED"
+            elif rc == -9:
+                result = "caught (timeout)"
+            else:
+                result = "caught"
+            failed |= result in ("SURVIVED", "NO TESTS")
+            why = first_error(logs / f"{m.id}.log") if result.startswith("caught") else ""
+            rows.append((m, result, secs))
+            print(f"  {m.id:26s} {result:16s} {secs:6.1f} s  {why}", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    total = time.monotonic() - t_start
+    print()
+    print(f"| id | file | planted bug | result | s |")
+    print(f"|---|---|---|---|---|")
+    for m, result, secs in rows:
+        print(f"| {m.id} | {m.file.split('/')[-1]} | {m.what} | {result} | {secs:.0f} |")
+    caught = sum(r.startswith("caught") for _, r, _ in rows)
+    print(f"\n{caught}/{len(rows)} mutants caught; total wall time {total / 60:.1f} min")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
