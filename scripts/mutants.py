@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -397,6 +398,11 @@ def _run_subprocess(tree: Path, tests, timeout: float, log: Path) -> int:
             return -9
 
 
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _preload() -> None:
     """Third-party imports the forked children inherit (no project module)."""
     import hypothesis  # noqa: F401
@@ -443,7 +449,7 @@ def main(argv=None) -> int:
     run = _run_subprocess if args.no_fork else _run_fork
     if not args.no_fork:
         _preload()
-    t_start = time.monotonic()
+    t_start, cpu_start = time.monotonic(), _children_cpu()
     work = Path(tempfile.mkdtemp(prefix="mutants-"))
     tree = work / "tree"
     copy_tree(tree)
@@ -453,11 +459,12 @@ def main(argv=None) -> int:
     try:
         if not args.no_baseline:
             selected = sorted({t for m in mutants for t in m.tests})
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), _children_cpu()
             rc = run(tree, selected, args.timeout * 3, logs / "baseline.log")
-            secs = time.monotonic() - t0
+            secs, cpu = time.monotonic() - t0, _children_cpu() - c0
             print(f"baseline: {len(selected)} test selections on the unmodified tree: "
-                  f"{'pass' if rc == 0 else f'FAIL (rc {rc})'} in {secs:.0f} s", flush=True)
+                  f"{'pass' if rc == 0 else f'FAIL (rc {rc})'} in {secs:.0f} s "
+                  f"({cpu:.0f} s CPU)", flush=True)
             if rc != 0:
                 print((logs / "baseline.log").read_text()[-4000:])
                 print("baseline failed: the mutants would prove nothing")
@@ -466,12 +473,12 @@ def main(argv=None) -> int:
             path = tree / m.file
             text = path.read_text()
             path.write_text(text.replace(m.original, m.replacement, 1))
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), _children_cpu()
             try:
                 rc = run(tree, list(m.tests), args.timeout, logs / f"{m.id}.log")
             finally:
                 path.write_text(text)
-            secs = time.monotonic() - t0
+            secs, cpu = time.monotonic() - t0, _children_cpu() - c0
             # pytest: 1 = tests failed; 2-4 = collection/usage errors still mean
             # the bug broke the tests; 5 = nothing collected is a list error.
             if rc == 5:
@@ -484,8 +491,8 @@ def main(argv=None) -> int:
                 result = "caught"
             failed |= result in ("SURVIVED", "NO TESTS")
             why = first_error(logs / f"{m.id}.log") if result.startswith("caught") else ""
-            rows.append((m, result, secs))
-            print(f"  {m.id:26s} {result:16s} {secs:6.1f} s  {why}", flush=True)
+            rows.append((m, result, secs, cpu))
+            print(f"  {m.id:26s} {result:16s} {secs:6.1f} s {cpu:6.1f} s CPU  {why}", flush=True)
     finally:
         if args.keep:
             print(f"kept {work}")
@@ -494,12 +501,14 @@ def main(argv=None) -> int:
 
     total = time.monotonic() - t_start
     print()
-    print(f"| id | file | planted bug | result | s |")
-    print(f"|---|---|---|---|---|")
-    for m, result, secs in rows:
-        print(f"| {m.id} | {m.file.split('/')[-1]} | {m.what} | {result} | {secs:.0f} |")
-    caught = sum(r.startswith("caught") for _, r, _ in rows)
-    print(f"\n{caught}/{len(rows)} mutants caught; total wall time {total / 60:.1f} min")
+    print("| id | file | planted bug | result | wall s | CPU s |")
+    print("|---|---|---|---|---|---|")
+    for m, result, secs, cpu in rows:
+        print(f"| {m.id} | {m.file.split('/')[-1]} | {m.what} | {result} | {secs:.0f} | {cpu:.0f} |")
+    caught = sum(r.startswith("caught") for _, r, _, _ in rows)
+    cpu_total = _children_cpu() - cpu_start
+    print(f"\n{caught}/{len(rows)} mutants caught; total {total / 60:.1f} min wall, "
+          f"{cpu_total / 60:.1f} min CPU in the test runs")
     return 1 if failed else 0
 
 
