@@ -50,3 +50,32 @@ def published(tmp_path_factory):
         name = tomllib.loads((ROOT / "kernels" / folder / "build.toml").read_text())["general"]["name"]
         repos[name] = out / name
     return repos
+
+
+# -- TPU compile gate: whole matrices on every core ----------------------------------
+# The gate modules' matrix points (tests/gate.py) compile in worker processes
+# started right after collection, while the numeric tests run; the gate tests
+# themselves run last and mostly just collect results.
+
+
+def pytest_collection_modifyitems(session, config, items):
+    import gate
+
+    last = {id(i) for i in gate.gate_items(items)}
+    modules = {i.module for i in items if id(i) in last}
+    tail = [i for i in items if i.module in modules]
+    items[:] = [i for i in items if i.module not in modules] + tail
+
+
+def pytest_collection_finish(session):
+    import gate
+
+    gate.start_session_pool(session.items)
+
+
+def pytest_terminal_summary(terminalreporter):
+    import gate
+
+    summary = gate.close_session_pool()
+    if summary:
+        terminalreporter.write_line(f"TPU compile gate: {summary}")

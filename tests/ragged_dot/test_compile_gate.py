@@ -1,24 +1,23 @@
 """ragged-dot-tpu compiles for real TPU generations (libtpu AOT) at MoE layer shapes.
 
-Each case compiles one kernel for one generation with the blocks tiling.py
-picks for it: fwd = gmm, d_lhs = gmm(transpose_rhs=True), d_rhs = tgmm.
-Rows = tokens x top_k. CI runs a subset that still covers every generation,
-every kernel, decode and prefill, K not a multiple of 128 and Mixtral's huge
-K; RAGGED_DOT_FULL_GATE=1 runs the whole matrix (models x projections x
-batches x kernels x generations).
+The whole matrix runs in CI: every model x projection x batch x kernel x
+generation (4 x 2 x 5 x 3 x 3 = 360 programs), each kernel compiled with the
+blocks tiling.py picks for it: fwd = gmm, d_lhs = gmm(transpose_rhs=True),
+d_rhs = tgmm. Rows = tokens x top_k. The compiles run in a pool of worker
+processes (tests/gate.py, one per core); measured on this project's 2-core
+machine: see GATE_TIME below.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from gate import GENERATIONS, assert_compiles, spec
+from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
 from ragged_dot_tpu.gmm import gmm
 from ragged_dot_tpu.moe import moe_experts
 from ragged_dot_tpu.tgmm import tgmm
@@ -34,19 +33,19 @@ TOKENS = [1, 8, 64, 512, 8192]
 KERNELS = ["fwd", "d_lhs", "d_rhs"]
 PROJECTIONS = ["gate_up", "down"]
 
-CI_CASES = [
-    ("qwen3_30b_a3b", "gate_up", 1),
-    ("qwen3_30b_a3b", "down", 512),
-    ("gemma4_26b_a4b", "down", 8192),  # prefill; K = 704 is not a multiple of 128
-    ("mixtral_8x7b", "down", 8),  # K = 14336
-    ("gpt_oss_20b", "down", 64),  # N = 2880: whole-expert DMA
-    ("gpt_oss_20b", "down", 8192),  # d_rhs 2880 x 2880 blocks exceed VMEM: padded to 128
-]
+POINTS = list(itertools.product(MODELS, PROJECTIONS, TOKENS, KERNELS, GENERATIONS))
 
-if os.environ.get("RAGGED_DOT_FULL_GATE"):
-    CASES = list(itertools.product(MODELS, PROJECTIONS, TOKENS))
-else:
-    CASES = CI_CASES
+# Found by running the whole matrix: GPT-OSS's gate_up d_lhs (grad [m, 5760] x
+# weights [32, 2880, 5760] contracted on 5760) has N = 2880, not a multiple of
+# 128, so gmm's only slab is all of N, and two double-buffered 5760 x 2880 bf16
+# weight slabs (66 MB) exceed tpu7x's 48 MiB budget: tiling raises "no gmm
+# block fits VMEM". GPT-OSS backward cannot run on tpu7x until gmm can split
+# an unaligned N (or pad it). strict: the day it compiles, this marker must go.
+KNOWN_FAILURES = {
+    ("gpt_oss_20b", "gate_up", t, "d_lhs", "tpu7x"): "GPT-OSS gate_up d_lhs: no gmm block fits "
+    "tpu7x VMEM (N = 2880 unaligned, whole-N slabs of K = 5760 need 66 MB)"
+    for t in TOKENS
+}
 
 
 def _dims(model, projection):
@@ -55,10 +54,9 @@ def _dims(model, projection):
     return e, top_k, k, n
 
 
-@pytest.mark.parametrize("generation", GENERATIONS)
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("model,projection,tokens", CASES)
-def test_kernel_compiles(model, projection, tokens, kernel, generation):
+def gate_program(point) -> GateProgram:
+    """The program a point compiles (called in the gate's worker processes)."""
+    model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
     sizes = spec((e,), jnp.int32)
@@ -71,7 +69,23 @@ def test_kernel_compiles(model, projection, tokens, kernel, generation):
     else:
         fn = functools.partial(tgmm, config=generation)
         args = [spec((m, k)), spec((m, n)), sizes]
-    assert_compiles(fn, args, generation)
+    return GateProgram(fn, args, generation)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return session_pool()  # conftest.py started it with this module's points
+
+
+def _id(point):
+    return "-".join(str(x) for x in point)
+
+
+@pytest.mark.parametrize("point", [
+    pytest.param(pt, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[pt]))
+    if pt in KNOWN_FAILURES else pt for pt in POINTS], ids=_id)
+def test_kernel_compiles(point, pool):
+    pool.assert_ok(__file__, point)
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
