@@ -108,9 +108,10 @@ def test_compile_fullgraph_including_backward(lib):
 def test_jit_cache_is_keyed_by_static_arguments(lib):
     op = lib.scale_shift
     x = torch.randn(2, 2)
-    op(x, x, None, 1.0)
-    op(x, x, None, 1.0)
-    op(x, x, None, 2.0)
+    torch.testing.assert_close(op(x, x, None, 1.0), x * x)
+    torch.testing.assert_close(op(x, x, None, 1.0), x * x)
+    # A cached function must not serve another static value.
+    torch.testing.assert_close(op(x, x, None, 2.0), 2.0 * x * x)
     keys = [k for k in op._jit_cache if k[0] == "interpret"]
     assert ("interpret", (1.0,)) in keys and ("interpret", (2.0,)) in keys
 
