@@ -70,7 +70,8 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     import gate
 
-    gate.start_session_pool(session.items)
+    if not session.config.option.collectonly:
+        gate.start_session_pool(session.items)
 
 
 def pytest_terminal_summary(terminalreporter):
