@@ -3,15 +3,18 @@
 The whole matrix runs in CI: every model x projection x batch x kernel x
 generation (4 x 2 x 5 x 3 x 3 = 360 programs), each kernel compiled with the
 blocks tiling.py picks for it: fwd = gmm, d_lhs = gmm(transpose_rhs=True),
-d_rhs = tgmm. Rows = tokens x top_k. The compiles run in a pool of worker
-processes (tests/gate.py, one per core); measured on this project's 2-core
-machine: see GATE_TIME below.
+d_rhs = tgmm. Rows = tokens x top_k. The compiles run in worker processes
+(tests/gate.py) started as soon as the session is collected, one per core,
+while the numeric tests run; the suite prints the gate's CPU time at its end.
+Measured on this project's shared 2-core machine (load 4-8 from other jobs):
+both gates' 423 compiles took 50 CPU-minutes, an upper bound.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,13 @@ KERNELS = ["fwd", "d_lhs", "d_rhs"]
 PROJECTIONS = ["gate_up", "down"]
 
 POINTS = list(itertools.product(MODELS, PROJECTIONS, TOKENS, KERNELS, GENERATIONS))
+# COMPILE_GATE=subset (local runs only; CI runs the whole matrix): the former CI
+# subset, every generation and kernel, decode and prefill, K = 704 and 14336, N = 2880.
+SUBSET = [("qwen3_30b_a3b", "gate_up", 1), ("qwen3_30b_a3b", "down", 512),
+          ("gemma4_26b_a4b", "down", 8192), ("mixtral_8x7b", "down", 8),
+          ("gpt_oss_20b", "down", 64), ("gpt_oss_20b", "down", 8192)]
+if os.environ.get("COMPILE_GATE") == "subset":
+    POINTS = [p for p in POINTS if p[:3] in SUBSET]
 
 # Found by running the whole matrix: GPT-OSS's gate_up d_lhs (grad [m, 5760] x
 # weights [32, 2880, 5760] contracted on 5760) has N = 2880, not a multiple of
@@ -46,6 +56,15 @@ KNOWN_FAILURES = {
     "tpu7x VMEM (N = 2880 unaligned, whole-N slabs of K = 5760 need 66 MB)"
     for t in TOKENS
 }
+# Also found by the whole matrix: Mixtral's down projection forward (K = 14336)
+# at prefill on v5e. tiling.gmm_config picks blocks whose estimate is 95.6 MiB
+# of the 96 MiB limit (block_m 1024 or 512, block_n 1024); Mosaic needs more
+# and the compile fails with RESOURCE_EXHAUSTED CompileTimeScopedVmemOom. The
+# estimate leaves no headroom for Mosaic's own stack temporaries.
+KNOWN_FAILURES.update({
+    ("mixtral_8x7b", "down", t, "fwd", "v5e"): "Mixtral down fwd on v5e: Mosaic VMEM OOM, "
+    "tiling's estimate (95.6 of 96 MiB) undercounts" for t in (512, 8192)
+})
 
 
 def _dims(model, projection):
