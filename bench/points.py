@@ -22,111 +22,132 @@ ATTENTION_SEQS = (512, 2048, 8192)
 
 @dataclasses.dataclass(frozen=True)
 class RmsNormPoint:
-  hidden: int
-  tokens: int
-  dtype: str = "bfloat16"
-  kernel = "rmsnorm"
+    hidden: int
+    tokens: int
+    dtype: str = "bfloat16"
+    kernel = "rmsnorm"
 
-  def labels(self) -> dict:
-    return dict(hidden=self.hidden, tokens=self.tokens, dtype=self.dtype)
+    def labels(self) -> dict:
+        return dict(hidden=self.hidden, tokens=self.tokens, dtype=self.dtype)
 
-  @property
-  def walk_key(self):
-    return ("rmsnorm", self.hidden, self.tokens, self.dtype)
+    @property
+    def walk_key(self):
+        return ("rmsnorm", self.hidden, self.tokens, self.dtype)
 
-  compile_key = walk_key
+    compile_key = walk_key
 
-  def compile_args(self):
-    dt = jnp.dtype(self.dtype)
-    return (jax.ShapeDtypeStruct((self.tokens, self.hidden), dt),
-            jax.ShapeDtypeStruct((self.hidden,), dt))
+    def compile_args(self):
+        dt = jnp.dtype(self.dtype)
+        return (
+            jax.ShapeDtypeStruct((self.tokens, self.hidden), dt),
+            jax.ShapeDtypeStruct((self.hidden,), dt),
+        )
 
-  walker_args = compile_args
+    walker_args = compile_args
 
-  def real_args(self, key=0):
-    k1, k2 = jax.random.split(jax.random.key(key))
-    x, w = self.compile_args()
-    return (jax.random.normal(k1, x.shape, jnp.float32).astype(x.dtype),
-            jax.random.normal(k2, w.shape, jnp.float32).astype(w.dtype))
+    def real_args(self, key=0):
+        k1, k2 = jax.random.split(jax.random.key(key))
+        x, w = self.compile_args()
+        return (
+            jax.random.normal(k1, x.shape, jnp.float32).astype(x.dtype),
+            jax.random.normal(k2, w.shape, jnp.float32).astype(w.dtype),
+        )
 
-  def min_bytes(self) -> int:
-    it = jnp.dtype(self.dtype).itemsize
-    return 2 * self.tokens * self.hidden * it + self.hidden * it
+    def min_bytes(self) -> int:
+        it = jnp.dtype(self.dtype).itemsize
+        return 2 * self.tokens * self.hidden * it + self.hidden * it
 
-  def useful_flops(self) -> int:
-    return 4 * self.tokens * self.hidden  # VPU work; never the MXU bound
+    def useful_flops(self) -> int:
+        return 4 * self.tokens * self.hidden  # VPU work; never the MXU bound
 
-  def roofline_s(self, generation: str) -> float:
-    return self.min_bytes() / model.chip(generation).hbm_bytes_per_s
+    def roofline_s(self, generation: str) -> float:
+        return self.min_bytes() / model.chip(generation).hbm_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPoint:
-  seq: int
-  batch: int = 1
-  q_heads: int = 32
-  kv_heads: int = 8
-  head_dim: int = 128
-  dtype: str = "bfloat16"
-  # "fwd", or "train": forward then backward (jax.vjp of the implementation,
-  # cotangent = the output), what one training step of the layer costs.
-  direction: str = "fwd"
-  kernel = "attention"
+    seq: int
+    batch: int = 1
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    # "fwd", or "train": forward then backward (jax.vjp of the implementation,
+    # cotangent = the output), what one training step of the layer costs.
+    direction: str = "fwd"
+    kernel = "attention"
 
-  @property
-  def tokens(self) -> int:
-    return self.batch * self.seq
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
 
-  def labels(self) -> dict:
-    return dict(seq=self.seq, batch=self.batch, q_heads=self.q_heads,
-                kv_heads=self.kv_heads, head_dim=self.head_dim, causal=True,
-                dtype=self.dtype, tokens=self.tokens, direction=self.direction)
+    def labels(self) -> dict:
+        return dict(
+            seq=self.seq,
+            batch=self.batch,
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            causal=True,
+            dtype=self.dtype,
+            tokens=self.tokens,
+            direction=self.direction,
+        )
 
-  @property
-  def walk_key(self):
-    return ("attention", self.seq, self.batch, self.q_heads, self.kv_heads,
-            self.head_dim, self.dtype, self.direction)
+    @property
+    def walk_key(self):
+        return (
+            "attention",
+            self.seq,
+            self.batch,
+            self.q_heads,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.direction,
+        )
 
-  def program(self, fn):
-    """The program to time for implementation `fn(q, k, v)`."""
-    if self.direction == "fwd":
-      return fn
+    def program(self, fn):
+        """The program to time for implementation `fn(q, k, v)`."""
+        if self.direction == "fwd":
+            return fn
 
-    def train(q, k, v):
-      out, vjp = jax.vjp(fn, q, k, v)
-      return vjp(out)
+        def train(q, k, v):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return vjp(out)
 
-    return train
+        return train
 
-  compile_key = walk_key
+    compile_key = walk_key
 
-  def compile_args(self):
-    dt = jnp.dtype(self.dtype)
-    q = jax.ShapeDtypeStruct((self.batch, self.q_heads, self.seq, self.head_dim), dt)
-    kv = jax.ShapeDtypeStruct((self.batch, self.kv_heads, self.seq, self.head_dim), dt)
-    return (q, kv, kv)
+    def compile_args(self):
+        dt = jnp.dtype(self.dtype)
+        q = jax.ShapeDtypeStruct((self.batch, self.q_heads, self.seq, self.head_dim), dt)
+        kv = jax.ShapeDtypeStruct((self.batch, self.kv_heads, self.seq, self.head_dim), dt)
+        return (q, kv, kv)
 
-  walker_args = compile_args
+    walker_args = compile_args
 
-  def real_args(self, key=0):
-    ks = jax.random.split(jax.random.key(key), 3)
-    return tuple(jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
-                 for k, a in zip(ks, self.compile_args()))
+    def real_args(self, key=0):
+        ks = jax.random.split(jax.random.key(key), 3)
+        return tuple(
+            jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
+            for k, a in zip(ks, self.compile_args())
+        )
 
-  def min_bytes(self) -> int:
-    it = jnp.dtype(self.dtype).itemsize
-    q = self.batch * self.q_heads * self.seq * self.head_dim * it
-    kv = self.batch * self.kv_heads * self.seq * self.head_dim * it
-    # forward: q, k, v in, out; backward: q, k, v, out, dout in, dq, dk, dv out
-    return 2 * q + 2 * kv if self.direction == "fwd" else 6 * q + 6 * kv
+    def min_bytes(self) -> int:
+        it = jnp.dtype(self.dtype).itemsize
+        q = self.batch * self.q_heads * self.seq * self.head_dim * it
+        kv = self.batch * self.kv_heads * self.seq * self.head_dim * it
+        # forward: q, k, v in, out; backward: q, k, v, out, dout in, dq, dk, dv out
+        return 2 * q + 2 * kv if self.direction == "fwd" else 6 * q + 6 * kv
 
-  def useful_flops(self) -> int:
-    # QK^T and PV over the causal half; the backward's four products (dV, dP,
-    # dQ, dK) are twice that
-    fwd = 2 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim
-    return fwd if self.direction == "fwd" else 3 * fwd
+    def useful_flops(self) -> int:
+        # QK^T and PV over the causal half; the backward's four products (dV, dP,
+        # dQ, dK) are twice that
+        fwd = 2 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim
+        return fwd if self.direction == "fwd" else 3 * fwd
 
-  def roofline_s(self, generation: str) -> float:
-    c = model.chip(generation)
-    return max(self.min_bytes() / c.hbm_bytes_per_s,
-               self.useful_flops() / c.peak_flops)
+    def roofline_s(self, generation: str) -> float:
+        c = model.chip(generation)
+        return max(self.min_bytes() / c.hbm_bytes_per_s, self.useful_flops() / c.peak_flops)

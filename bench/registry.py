@@ -21,7 +21,7 @@ import inspect
 import math
 import os
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,94 +32,97 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _add_kernel_paths():
-  """Repo root and every kernels/<kernel>/ folder, as tests/conftest.py does."""
-  paths = [_REPO]
-  kdir = os.path.join(_REPO, "kernels")
-  if os.path.isdir(kdir):
-    paths += [os.path.join(kdir, d) for d in sorted(os.listdir(kdir))
-              if os.path.isdir(os.path.join(kdir, d))]
-  for p in paths:
-    if p not in sys.path:
-      sys.path.append(p)
+    """Repo root and every kernels/<kernel>/ folder, as tests/conftest.py does."""
+    paths = [_REPO]
+    kdir = os.path.join(_REPO, "kernels")
+    if os.path.isdir(kdir):
+        paths += [
+            os.path.join(kdir, d)
+            for d in sorted(os.listdir(kdir))
+            if os.path.isdir(os.path.join(kdir, d))
+        ]
+    for p in paths:
+        if p not in sys.path:
+            sys.path.append(p)
 
 
 _add_kernel_paths()
 
 
 class Skip(Exception):
-  """The implementation cannot run at this point; the message says why."""
+    """The implementation cannot run at this point; the message says why."""
 
 
 @dataclasses.dataclass
 class Built:
-  fn: Callable
-  key: tuple  # names the program: same key -> same walk / compile
-  notes: tuple = ()
-  # Programs whose XLA part (everything but the Pallas launches) is the same
-  # share this key, so that part is compiled once for all of them.
-  glue_key: tuple | None = None
-  # For programs whose inputs are laid out differently from the point's
-  # (transformers' weight storage): maps the point's arguments (arrays or
-  # ShapeDtypeStructs, same layer) to fn's. Use `program_args`.
-  adapt_args: Callable | None = None
+    fn: Callable
+    key: tuple  # names the program: same key -> same walk / compile
+    notes: tuple = ()
+    # Programs whose XLA part (everything but the Pallas launches) is the same
+    # share this key, so that part is compiled once for all of them.
+    glue_key: tuple | None = None
+    # For programs whose inputs are laid out differently from the point's
+    # (transformers' weight storage): maps the point's arguments (arrays or
+    # ShapeDtypeStructs, same layer) to fn's. Use `program_args`.
+    adapt_args: Callable | None = None
 
 
 def program_args(built: Built, args) -> tuple:
-  """The arguments `built.fn` takes, from the point's `walker_args()`,
-  `compile_args()` or `real_args()`."""
-  args = tuple(args)
-  return tuple(built.adapt_args(*args)) if built.adapt_args else args
+    """The arguments `built.fn` takes, from the point's `walker_args()`,
+    `compile_args()` or `real_args()`."""
+    args = tuple(args)
+    return tuple(built.adapt_args(*args)) if built.adapt_args else args
 
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-  name: str
-  kernel: str  # "moe" | "rmsnorm" | "attention"
-  description: str
-  build: Callable  # (point, generation, ctx) -> Built
-  baseline: bool = False  # the "default path" speedups are measured against
-  ours: bool = False
+    name: str
+    kernel: str  # "moe" | "rmsnorm" | "attention"
+    description: str
+    build: Callable  # (point, generation, ctx) -> Built
+    baseline: bool = False  # the "default path" speedups are measured against
+    ours: bool = False
 
 
 REGISTRY: dict[str, Impl] = {}
 
 
 def register(impl: Impl) -> Impl:
-  REGISTRY[impl.name] = impl
-  return impl
+    REGISTRY[impl.name] = impl
+    return impl
 
 
 def impls_for(kernel: str) -> list[Impl]:
-  return [i for i in REGISTRY.values() if i.kernel == kernel]
+    return [i for i in REGISTRY.values() if i.kernel == kernel]
 
 
 def _import(module: str):
-  try:
-    return importlib.import_module(module)
-  except Exception as e:  # noqa: BLE001 - any import failure is a skip
-    raise Skip(f"import {module} failed: {type(e).__name__}: {e}") from None
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import failure is a skip
+        raise Skip(f"import {module} failed: {type(e).__name__}: {e}") from None
 
 
 def _import_attr(module: str, name: str):
-  """module.name, or Skip when the module does not import or lacks it."""
-  mod = _import(module)
-  if not hasattr(mod, name):
-    raise Skip(f"{module} has no {name}")
-  return getattr(mod, name)
+    """module.name, or Skip when the module does not import or lacks it."""
+    mod = _import(module)
+    if not hasattr(mod, name):
+        raise Skip(f"{module} has no {name}")
+    return getattr(mod, name)
 
 
 def _with_generation(fn: Callable, generation: str) -> Callable:
-  """Passes the generation when the kernel takes it (its tiling table needs
-  it): as generation=, or as config= (ragged_dot_tpu accepts a name there)."""
-  try:
-    params = inspect.signature(fn).parameters
-  except (TypeError, ValueError):
+    """Passes the generation when the kernel takes it (its tiling table needs
+    it): as generation=, or as config= (ragged_dot_tpu accepts a name there)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn
+    if "generation" in params:
+        return functools.partial(fn, generation=generation)
+    if "config" in params:  # ragged_dot_tpu: config=None | generation name | config
+        return functools.partial(fn, config=generation)
     return fn
-  if "generation" in params:
-    return functools.partial(fn, generation=generation)
-  if "config" in params:  # ragged_dot_tpu: config=None | generation name | config
-    return functools.partial(fn, config=generation)
-  return fn
 
 
 # --------------------------------------------------------------------------
@@ -129,66 +132,66 @@ def _with_generation(fn: Callable, generation: str) -> Callable:
 
 
 def _ours_moe(point, generation, ctx) -> Built:
-  op = _with_generation(_import_attr("ragged_dot_tpu.moe", "moe_experts"), generation)
+    op = _with_generation(_import_attr("ragged_dot_tpu.moe", "moe_experts"), generation)
 
-  def fn(x, w_gate_up, w_down, ids, weights):
-    # ADAPT: moe_experts signature. Our weights are [E, in, out].
-    return op(x, ids, weights, w_gate_up, w_down,
-              num_experts=w_gate_up.shape[0], is_transposed=True)
+    def fn(x, w_gate_up, w_down, ids, weights):
+        # ADAPT: moe_experts signature. Our weights are [E, in, out].
+        return op(
+            x, ids, weights, w_gate_up, w_down, num_experts=w_gate_up.shape[0], is_transposed=True
+        )
 
-  return Built(fn, ("ours_moe_experts", generation),
-               glue_key=("ours_moe_experts",))
+    return Built(fn, ("ours_moe_experts", generation), glue_key=("ours_moe_experts",))
 
 
 def _ours_ragged_dot(point, generation, ctx) -> Built:
-  op = _with_generation(_import_attr("ragged_dot_tpu.ragged_dot", "ragged_dot"), generation)
+    op = _with_generation(_import_attr("ragged_dot_tpu.ragged_dot", "ragged_dot"), generation)
 
-  def gmm(lhs, rhs, sizes):
-    return op(lhs, rhs, sizes)  # ADAPT: ragged_dot(lhs, rhs, group_sizes)
+    def gmm(lhs, rhs, sizes):
+        return op(lhs, rhs, sizes)  # ADAPT: ragged_dot(lhs, rhs, group_sizes)
 
-  def fn(x, w_gate_up, w_down, ids, weights):
-    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
+    def fn(x, w_gate_up, w_down, ids, weights):
+        return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
 
-  rows = point.tokens * point.shape.top_k
-  return Built(fn, ("ours_ragged_dot", generation),
-               glue_key=("experts_layer", rows))
+    rows = point.tokens * point.shape.top_k
+    return Built(fn, ("ours_ragged_dot", generation), glue_key=("experts_layer", rows))
 
 
 def _megablox_module():
-  # jax.experimental.pallas.ops.tpu.megablox re-exports the custom_vjp `gmm`
-  # under the module's own name; the ops module holds it unambiguously.
-  return _import("jax.experimental.pallas.ops.tpu.megablox.ops")
+    # jax.experimental.pallas.ops.tpu.megablox re-exports the custom_vjp `gmm`
+    # under the module's own name; the ops module holds it unambiguously.
+    return _import("jax.experimental.pallas.ops.tpu.megablox.ops")
 
 
 def _megablox_layer(tilings: tuple, row_multiple: int):
-  ops = _megablox_module()
+    ops = _megablox_module()
 
-  def fn(x, w_gate_up, w_down, ids, weights):
-    it = iter(tilings)  # gate_up first, then down
+    def fn(x, w_gate_up, w_down, ids, weights):
+        it = iter(tilings)  # gate_up first, then down
 
-    def gmm(lhs, rhs, sizes):
-      return ops.gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype,
-                     tiling=next(it))
+        def gmm(lhs, rhs, sizes):
+            return ops.gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=next(it))
 
-    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights,
-                             row_multiple=row_multiple)
+        return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights, row_multiple=row_multiple)
 
-  return fn
+    return fn
 
 
 def megablox_rows(rows: int) -> int:
-  """Rows padded the way megablox needs them: to 8, then to the 128 tile."""
-  r8 = -(-rows // 8) * 8
-  return r8 if r8 <= 128 else -(-rows // 128) * 128
+    """Rows padded the way megablox needs them: to 8, then to the 128 tile."""
+    r8 = -(-rows // 8) * 8
+    return r8 if r8 <= 128 else -(-rows // 128) * 128
 
 
 def _megablox_default(point, generation, ctx) -> Built:
-  rows = point.tokens * point.shape.top_k
-  padded = megablox_rows(rows)
-  tm = min(128, padded)  # gmm needs M % tm == 0; smaller M uses one tile
-  tilings = ((tm, 128, 128), (tm, 128, 128))
-  return Built(_megablox_layer(tilings, tm), ("megablox", tilings, tm),
-               glue_key=("experts_layer", -(-rows // tm) * tm))
+    rows = point.tokens * point.shape.top_k
+    padded = megablox_rows(rows)
+    tm = min(128, padded)  # gmm needs M % tm == 0; smaller M uses one tile
+    tilings = ((tm, 128, 128), (tm, 128, 128))
+    return Built(
+        _megablox_layer(tilings, tm),
+        ("megablox", tilings, tm),
+        glue_key=("experts_layer", -(-rows // tm) * tm),
+    )
 
 
 # Default scoped-VMEM limit Mosaic gives a kernel that does not raise it
@@ -197,144 +200,156 @@ _SCOPED_VMEM = {"v5e": 16 << 20, "v6e": 32 << 20, "tpu7x": 32 << 20, "v5p": 16 <
 
 
 def _divisors_128(n: int) -> list[int]:
-  """n itself, then multiples of 128 dividing n, largest first; when none
-  divides (e.g. 2880), a few multiples of 128 below n (megablox masks the
-  remainder tile)."""
-  out = [n] + [d for d in range(n - n % 128, 127, -128) if d != n and n % d == 0]
-  if len(out) == 1:
-    out += [d for d in (2048, 1536, 1024, 768, 512, 256, 128) if d < n]
-  return out
+    """n itself, then multiples of 128 dividing n, largest first; when none
+    divides (e.g. 2880), a few multiples of 128 below n (megablox masks the
+    remainder tile)."""
+    out = [n] + [d for d in range(n - n % 128, 127, -128) if d != n and n % d == 0]
+    if len(out) == 1:
+        out += [d for d in (2048, 1536, 1024, 768, 512, 256, 128) if d < n]
+    return out
 
 
 def _megablox_candidates(rows: int, k: int, n: int, generation: str) -> list:
-  """Tilings in order of preference: full K and N, largest row tile first."""
-  padded = megablox_rows(rows)
-  tms = sorted({t for t in (padded, 1024, 512, 256, 128)
-                if t <= padded and t <= 1024 and padded % t == 0}, reverse=True)
-  cands = []
-  for tk in _divisors_128(k)[:4]:
-    for tn in _divisors_128(n)[:6]:
-      for tm in tms:
-        # double-buffered lhs, rhs, out tiles (bf16) + f32 accumulator
-        need = 2 * 2 * (tm * tk + tk * tn + tm * tn) + 4 * tm * tn
-        if need <= _SCOPED_VMEM.get(generation, 16 << 20):
-          cands.append((tm, tk, tn))
-  # full K first, then widest N, then tallest M
-  cands.sort(key=lambda t: (-(t[1] == k), -t[2] * t[1], -t[0]))
-  return cands
+    """Tilings in order of preference: full K and N, largest row tile first."""
+    padded = megablox_rows(rows)
+    tms = sorted(
+        {t for t in (padded, 1024, 512, 256, 128) if t <= padded and t <= 1024 and padded % t == 0},
+        reverse=True,
+    )
+    cands = []
+    for tk in _divisors_128(k)[:4]:
+        for tn in _divisors_128(n)[:6]:
+            for tm in tms:
+                # double-buffered lhs, rhs, out tiles (bf16) + f32 accumulator
+                need = 2 * 2 * (tm * tk + tk * tn + tm * tn) + 4 * tm * tn
+                if need <= _SCOPED_VMEM.get(generation, 16 << 20):
+                    cands.append((tm, tk, tn))
+    # full K first, then widest N, then tallest M
+    cands.sort(key=lambda t: (-(t[1] == k), -t[2] * t[1], -t[0]))
+    return cands
 
 
 def _megablox_best(point, generation, ctx) -> Built:
-  """Per grouped matmul, the tiling with the lower modeled time of the first
-  two (in the order: full K and N, widest N, tallest row tile) that compile
-  for this generation (at most six tried: each failing compile costs
-  seconds)."""
-  from . import model as model_mod
+    """Per grouped matmul, the tiling with the lower modeled time of the first
+    two (in the order: full K and N, widest N, tallest row tile) that compile
+    for this generation (at most six tried: each failing compile costs
+    seconds)."""
+    from . import model as model_mod
 
-  ops = _megablox_module()
-  s = point.shape
-  rows = point.tokens * s.top_k
-  ids, _ = point.routing_arrays()
-  sizes = jnp.asarray(moe.group_sizes(ids, s.experts))
-  chosen = []
-  for (k, n) in ((s.hidden, 2 * s.intermediate), (s.intermediate, s.hidden)):
-    best = None
-    compiled = 0
-    for tiling in _megablox_candidates(rows, k, n, generation)[:6]:
-      tm = tiling[0]
-      m = -(-rows // tm) * tm
-      lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-      rhs = jax.ShapeDtypeStruct((s.experts, k, n), jnp.bfloat16)
-      f = functools.partial(_gmm_only, ops.gmm, tiling=tiling)
-      res = ctx.compile_kernels(
-          f, (lhs, rhs, jax.ShapeDtypeStruct((s.experts,), jnp.int32)), generation)
-      if not res.ok:
-        continue
-      _, costs = ctx.walk(("megablox_gmm", tiling, m, k, n, point.walk_key), f,
-                          (lhs, rhs, sizes))
-      t = sum(model_mod.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation)
-              for c in costs)
-      if best is None or t < best[0]:
-        best = (t, tiling)
-      compiled += 1
-      if compiled == 2:
-        break
-    if best is None:
-      raise Skip(f"no megablox tiling compiles on {generation} for K={k} N={n}")
-    chosen.append(best[1])
-  row_multiple = math.lcm(chosen[0][0], chosen[1][0])
-  tilings = tuple(chosen)
-  return Built(_megablox_layer(tilings, row_multiple),
-               ("megablox", tilings, row_multiple),
-               notes=(f"tilings gate_up={chosen[0]} down={chosen[1]}",),
-               glue_key=("experts_layer", -(-rows // row_multiple) * row_multiple))
+    ops = _megablox_module()
+    s = point.shape
+    rows = point.tokens * s.top_k
+    ids, _ = point.routing_arrays()
+    sizes = jnp.asarray(moe.group_sizes(ids, s.experts))
+    chosen = []
+    for k, n in ((s.hidden, 2 * s.intermediate), (s.intermediate, s.hidden)):
+        best = None
+        compiled = 0
+        for tiling in _megablox_candidates(rows, k, n, generation)[:6]:
+            tm = tiling[0]
+            m = -(-rows // tm) * tm
+            lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+            rhs = jax.ShapeDtypeStruct((s.experts, k, n), jnp.bfloat16)
+            f = functools.partial(_gmm_only, ops.gmm, tiling=tiling)
+            res = ctx.compile_kernels(
+                f, (lhs, rhs, jax.ShapeDtypeStruct((s.experts,), jnp.int32)), generation
+            )
+            if not res.ok:
+                continue
+            _, costs = ctx.walk(
+                ("megablox_gmm", tiling, m, k, n, point.walk_key), f, (lhs, rhs, sizes)
+            )
+            t = sum(
+                model_mod.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation) for c in costs
+            )
+            if best is None or t < best[0]:
+                best = (t, tiling)
+            compiled += 1
+            if compiled == 2:
+                break
+        if best is None:
+            raise Skip(f"no megablox tiling compiles on {generation} for K={k} N={n}")
+        chosen.append(best[1])
+    row_multiple = math.lcm(chosen[0][0], chosen[1][0])
+    tilings = tuple(chosen)
+    return Built(
+        _megablox_layer(tilings, row_multiple),
+        ("megablox", tilings, row_multiple),
+        notes=(f"tilings gate_up={chosen[0]} down={chosen[1]}",),
+        glue_key=("experts_layer", -(-rows // row_multiple) * row_multiple),
+    )
 
 
 def _gmm_only(gmm, lhs, rhs, sizes, *, tiling):
-  return gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=tiling)
+    return gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=tiling)
 
 
 def _xla_ragged_dot(point, generation, ctx) -> Built:
-  def gmm(lhs, rhs, sizes):
-    return jax.lax.ragged_dot(lhs, rhs, sizes)
+    def gmm(lhs, rhs, sizes):
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
 
-  def fn(x, w_gate_up, w_down, ids, weights):
-    return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
+    def fn(x, w_gate_up, w_down, ids, weights):
+        return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
 
-  return Built(fn, ("xla_ragged_dot",))
+    return Built(fn, ("xla_ragged_dot",))
 
 
 def _xla_dense(point, generation, ctx) -> Built:
-  if point.phase != "decode":
-    # Every expert on every prefill token: E/top_k times the useful work and
-    # an [T, E, 2I] f32 intermediate; compiling it costs more than it tells.
-    raise Skip("dense all-experts layer is only benchmarked at decode sizes")
-  return Built(moe.dense_layer, ("xla_dense",))
+    if point.phase != "decode":
+        # Every expert on every prefill token: E/top_k times the useful work and
+        # an [T, E, 2I] f32 intermediate; compiling it costs more than it tells.
+        raise Skip("dense all-experts layer is only benchmarked at decode sizes")
+    return Built(moe.dense_layer, ("xla_dense",))
 
 
 def _tokamax(point, generation, ctx) -> Built:
-  """tokamax.ragged_dot x2 with its Pallas TPU kernel forced (off a TPU it
-  would silently run XLA), config as tokamax picks it on `generation`."""
-  from . import walker
-  from .baselines import tokamax_gmm as tk
+    """tokamax.ragged_dot x2 with its Pallas TPU kernel forced (off a TPU it
+    would silently run XLA), config as tokamax picks it on `generation`."""
+    from . import walker
+    from .baselines import tokamax_gmm as tk
 
-  try:
-    ver = tk.version()
-  except tk.Unavailable as e:
-    raise Skip(str(e)) from None
-  s = point.shape
-  rows = point.tokens * s.top_k
-  m = moe.padded_rows(rows, 1, tk.MIN_ROWS)
-  dt = jnp.dtype(s.dtype)
-  picked = []
-  for k, n in ((s.hidden, 2 * s.intermediate), (s.intermediate, s.hidden)):
-    if min(k, n) < tk.MIN_ROWS:
-      raise Skip(f"tokamax's Pallas TPU ragged_dot rejects dims < {tk.MIN_ROWS} "
-                 f"(K={k}, N={n}); tokamax.ragged_dot runs XLA there")
-    picked.append(tk.config_for(m, k, n, s.experts, dt, generation))
-  ops = [tk.forced_op(cfg) for cfg, _ in picked]
+    try:
+        ver = tk.version()
+    except tk.Unavailable as e:
+        raise Skip(str(e)) from None
+    s = point.shape
+    rows = point.tokens * s.top_k
+    m = moe.padded_rows(rows, 1, tk.MIN_ROWS)
+    dt = jnp.dtype(s.dtype)
+    picked = []
+    for k, n in ((s.hidden, 2 * s.intermediate), (s.intermediate, s.hidden)):
+        if min(k, n) < tk.MIN_ROWS:
+            raise Skip(
+                f"tokamax's Pallas TPU ragged_dot rejects dims < {tk.MIN_ROWS} "
+                f"(K={k}, N={n}); tokamax.ragged_dot runs XLA there"
+            )
+        picked.append(tk.config_for(m, k, n, s.experts, dt, generation))
+    ops = [tk.forced_op(cfg) for cfg, _ in picked]
 
-  def fn(x, w_gate_up, w_down, ids, weights):
-    it = iter(ops)  # gate_up first, then down
+    def fn(x, w_gate_up, w_down, ids, weights):
+        it = iter(ops)  # gate_up first, then down
 
-    def gmm(lhs, rhs, sizes):
-      return tk.ragged_dot(lhs, rhs, sizes, op=next(it))
+        def gmm(lhs, rhs, sizes):
+            return tk.ragged_dot(lhs, rhs, sizes, op=next(it))
 
-    # emit_pipeline may size itself from the attached chip: answer for the target
-    with walker.pretend_tpu(generation):
-      return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights,
-                               min_rows=tk.MIN_ROWS)
+        # emit_pipeline may size itself from the attached chip: answer for the target
+        with walker.pretend_tpu(generation):
+            return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights, min_rows=tk.MIN_ROWS)
 
-  tiles = tuple((c.tile_m, c.tile_k, c.tile_n, c.input_buffer_count)
-                for c, _ in picked)
-  notes = [f"tokamax {ver} Pallas Mosaic TPU forced; (tile_m, tile_k, tile_n, "
-           f"buffers) gate_up={tiles[0]} ({picked[0][1]}), down={tiles[1]} "
-           f"({picked[1][1]})"]
-  if m > rows:
-    notes.append(f"rows padded {rows} -> {m}: the Pallas kernel rejects M < "
-                 f"{tk.MIN_ROWS}; unpadded, tokamax.ragged_dot falls back to XLA")
-  return Built(fn, ("tokamax_ragged_dot", tiles, m), notes=tuple(notes),
-               glue_key=("experts_layer", m))
+    tiles = tuple((c.tile_m, c.tile_k, c.tile_n, c.input_buffer_count) for c, _ in picked)
+    notes = [
+        f"tokamax {ver} Pallas Mosaic TPU forced; (tile_m, tile_k, tile_n, "
+        f"buffers) gate_up={tiles[0]} ({picked[0][1]}), down={tiles[1]} "
+        f"({picked[1][1]})"
+    ]
+    if m > rows:
+        notes.append(
+            f"rows padded {rows} -> {m}: the Pallas kernel rejects M < "
+            f"{tk.MIN_ROWS}; unpadded, tokamax.ragged_dot falls back to XLA"
+        )
+    return Built(
+        fn, ("tokamax_ragged_dot", tiles, m), notes=tuple(notes), glue_key=("experts_layer", m)
+    )
 
 
 # transformers' experts weight storage per model: is_transposed=False stores
@@ -344,53 +359,98 @@ HF_IS_TRANSPOSED = {"gpt-oss-20b": True}
 
 
 def hf_is_transposed(point) -> bool:
-  return HF_IS_TRANSPOSED.get(point.shape.name, False)
+    return HF_IS_TRANSPOSED.get(point.shape.name, False)
 
 
 def _hf_grouped_mm(point, generation, ctx) -> Built:
-  """transformers' default grouped_mm experts path as TorchTPU runs it."""
-  from .baselines import hf_grouped_mm as hf
+    """transformers' default grouped_mm experts path as TorchTPU runs it."""
+    from .baselines import hf_grouped_mm as hf
 
-  is_t = hf_is_transposed(point)
-  notes = ["transformers 5.22.2 grouped_mm_experts_forward; torch._grouped_mm "
-           "-> chlo.ragged_dot (TorchTPU 0.2.0); one XLA program (torch.compile "
-           "form; eager runs each aten op as its own executable)"]
-  if not is_t:
-    notes.append("weights in transformers' storage [E, 2I, H] / [E, H, I], "
-                 "passed as .transpose(-2, -1) views")
-  return Built(hf.bench_program(is_transposed=is_t), ("hf_grouped_mm", is_t),
-               notes=tuple(notes),
-               adapt_args=functools.partial(hf.storage_args, is_transposed=is_t))
+    is_t = hf_is_transposed(point)
+    notes = [
+        "transformers 5.22.2 grouped_mm_experts_forward; torch._grouped_mm "
+        "-> chlo.ragged_dot (TorchTPU 0.2.0); one XLA program (torch.compile "
+        "form; eager runs each aten op as its own executable)"
+    ]
+    if not is_t:
+        notes.append(
+            "weights in transformers' storage [E, 2I, H] / [E, H, I], "
+            "passed as .transpose(-2, -1) views"
+        )
+    return Built(
+        hf.bench_program(is_transposed=is_t),
+        ("hf_grouped_mm", is_t),
+        notes=tuple(notes),
+        adapt_args=functools.partial(hf.storage_args, is_transposed=is_t),
+    )
 
 
-register(Impl("ours_moe_experts", "moe",
-              "ragged_dot_tpu.moe.moe_experts (fused experts op, this library)",
-              _ours_moe, ours=True))
-register(Impl("ours_ragged_dot", "moe",
-              "ragged_dot_tpu.ragged_dot.ragged_dot x2 + XLA dispatch/combine",
-              _ours_ragged_dot, ours=True))
-register(Impl("megablox_default", "moe",
-              "JAX megablox gmm, default tiling (128,128,128) (M<128: one row tile)",
-              _megablox_default))
-register(Impl("megablox_best", "moe",
-              "JAX megablox gmm, best tiling that compiles (full K,N; largest row tile)",
-              _megablox_best))
-register(Impl("hf_grouped_mm", "moe",
-              "transformers' default grouped_mm experts path as TorchTPU lowers it "
-              "(torch._grouped_mm -> chlo.ragged_dot, weights in transformers' "
-              "layout) -- the default path",
-              _hf_grouped_mm, baseline=True))
-register(Impl("xla_ragged_dot", "moe",
-              "jax.lax.ragged_dot x2 with this bench's XLA dispatch/combine, "
-              "weights [E, in, out] (what a JAX user writes)",
-              _xla_ragged_dot))
-register(Impl("xla_dense", "moe",
-              "all experts on all tokens (einsum), then mix the top-k",
-              _xla_dense))
-register(Impl("tokamax_ragged_dot", "moe",
-              "tokamax 0.0.12 ragged_dot x2, Pallas Mosaic TPU kernel forced "
-              "(gmm_megablox in an emit_pipeline), tokamax's config for the generation",
-              _tokamax))
+register(
+    Impl(
+        "ours_moe_experts",
+        "moe",
+        "ragged_dot_tpu.moe.moe_experts (fused experts op, this library)",
+        _ours_moe,
+        ours=True,
+    )
+)
+register(
+    Impl(
+        "ours_ragged_dot",
+        "moe",
+        "ragged_dot_tpu.ragged_dot.ragged_dot x2 + XLA dispatch/combine",
+        _ours_ragged_dot,
+        ours=True,
+    )
+)
+register(
+    Impl(
+        "megablox_default",
+        "moe",
+        "JAX megablox gmm, default tiling (128,128,128) (M<128: one row tile)",
+        _megablox_default,
+    )
+)
+register(
+    Impl(
+        "megablox_best",
+        "moe",
+        "JAX megablox gmm, best tiling that compiles (full K,N; largest row tile)",
+        _megablox_best,
+    )
+)
+register(
+    Impl(
+        "hf_grouped_mm",
+        "moe",
+        "transformers' default grouped_mm experts path as TorchTPU lowers it "
+        "(torch._grouped_mm -> chlo.ragged_dot, weights in transformers' "
+        "layout) -- the default path",
+        _hf_grouped_mm,
+        baseline=True,
+    )
+)
+register(
+    Impl(
+        "xla_ragged_dot",
+        "moe",
+        "jax.lax.ragged_dot x2 with this bench's XLA dispatch/combine, "
+        "weights [E, in, out] (what a JAX user writes)",
+        _xla_ragged_dot,
+    )
+)
+register(
+    Impl("xla_dense", "moe", "all experts on all tokens (einsum), then mix the top-k", _xla_dense)
+)
+register(
+    Impl(
+        "tokamax_ragged_dot",
+        "moe",
+        "tokamax 0.0.12 ragged_dot x2, Pallas Mosaic TPU kernel forced "
+        "(gmm_megablox in an emit_pipeline), tokamax's config for the generation",
+        _tokamax,
+    )
+)
 
 
 # --------------------------------------------------------------------------
@@ -399,27 +459,25 @@ register(Impl("tokamax_ragged_dot", "moe",
 
 
 def _ours_rmsnorm(point, generation, ctx) -> Built:
-  rms_norm = _import_attr("rmsnorm_tpu.kernel", "rms_norm")
+    rms_norm = _import_attr("rmsnorm_tpu.kernel", "rms_norm")
 
-  def fn(x, w):
-    return rms_norm(x, w, 1e-6, False, False, generation)  # ADAPT
+    def fn(x, w):
+        return rms_norm(x, w, 1e-6, False, False, generation)  # ADAPT
 
-  return Built(fn, ("ours_rmsnorm", generation), glue_key=("ours_rmsnorm",))
+    return Built(fn, ("ours_rmsnorm", generation), glue_key=("ours_rmsnorm",))
 
 
 def _xla_rmsnorm(point, generation, ctx) -> Built:
-  def fn(x, w):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    def fn(x, w):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+        return (y * w.astype(jnp.float32)).astype(x.dtype)
 
-  return Built(fn, ("xla_rmsnorm",))
+    return Built(fn, ("xla_rmsnorm",))
 
 
-register(Impl("ours_rmsnorm", "rmsnorm", "rmsnorm_tpu.kernel.rms_norm", _ours_rmsnorm,
-              ours=True))
-register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsnorm,
-              baseline=True))
+register(Impl("ours_rmsnorm", "rmsnorm", "rmsnorm_tpu.kernel.rms_norm", _ours_rmsnorm, ours=True))
+register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsnorm, baseline=True))
 
 
 # --------------------------------------------------------------------------
@@ -428,88 +486,124 @@ register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsn
 
 
 def _ours_attention(point, generation, ctx) -> Built:
-  op = _with_generation(_import_attr("flash_attention_tpu.flash_attention", "flash_attention"),
-                        generation)
+    op = _with_generation(
+        _import_attr("flash_attention_tpu.flash_attention", "flash_attention"), generation
+    )
 
-  def fn(q, k, v):
-    return op(q, k, v, causal=True)  # ADAPT
+    def fn(q, k, v):
+        return op(q, k, v, causal=True)  # ADAPT
 
-  return Built(fn, ("ours_flash_attention", generation),
-               glue_key=("ours_flash_attention",))
+    return Built(fn, ("ours_flash_attention", generation), glue_key=("ours_flash_attention",))
 
 
 def _jax_flash(point, generation, ctx) -> Built:
-  fa = _import("jax.experimental.pallas.ops.tpu.flash_attention")
-  d = point.head_dim
+    fa = _import("jax.experimental.pallas.ops.tpu.flash_attention")
+    d = point.head_dim
 
-  def fn(q, k, v):
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # the JAX kernel wants as many kv heads as q heads
-      k = jnp.repeat(k, rep, axis=1)
-      v = jnp.repeat(v, rep, axis=1)
-    return fa.flash_attention(q, k, v, causal=True, sm_scale=d ** -0.5)
+    def fn(q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # the JAX kernel wants as many kv heads as q heads
+            k = jnp.repeat(k, rep, axis=1)
+            v = jnp.repeat(v, rep, axis=1)
+        return fa.flash_attention(q, k, v, causal=True, sm_scale=d**-0.5)
 
-  return Built(fn, ("jax_pallas_flash_attention",))
+    return Built(fn, ("jax_pallas_flash_attention",))
 
 
 def _xla_attention(point, generation, ctx) -> Built:
-  d = point.head_dim
+    d = point.head_dim
 
-  def fn(q, k, v):
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-      k = jnp.repeat(k, rep, axis=1)
-      v = jnp.repeat(v, rep, axis=1)
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-    s = s * d ** -0.5
-    n = q.shape[2]
-    mask = jnp.tril(jnp.ones((n, n), bool))
-    s = jnp.where(mask, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    return jnp.einsum("bhqk,bhkd->bhqd", p, v)
+    def fn(q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = jnp.repeat(k, rep, axis=1)
+            v = jnp.repeat(v, rep, axis=1)
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        s = s * d**-0.5
+        n = q.shape[2]
+        mask = jnp.tril(jnp.ones((n, n), bool))
+        s = jnp.where(mask, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+        return jnp.einsum("bhqk,bhkd->bhqd", p, v)
 
-  return Built(fn, ("xla_attention",))
+    return Built(fn, ("xla_attention",))
 
 
 def _jax_splash(point, generation, ctx) -> Built:
-  sp = _import("bench.baselines.splash")
-  _import("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel")
+    sp = _import("bench.baselines.splash")
+    _import("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel")
 
-  def fn(q, k, v):
-    return sp.jax_splash(q, k, v)
+    def fn(q, k, v):
+        return sp.jax_splash(q, k, v)
 
-  b = min(sp.BLOCK, point.seq)
-  return Built(fn, ("jax_splash_attention", b),
-               notes=(f"make_splash_mha, CausalMask, native GQA, blocks "
-                      f"q=kv=kv_compute={b}, q pre-scaled",))
+    b = min(sp.BLOCK, point.seq)
+    return Built(
+        fn,
+        ("jax_splash_attention", b),
+        notes=(
+            f"make_splash_mha, CausalMask, native GQA, blocks q=kv=kv_compute={b}, q pre-scaled",
+        ),
+    )
 
 
 def _torch_tpu_splash(point, generation, ctx) -> Built:
-  sp = _import("bench.baselines.splash")
-  _import("torch_tpu._internal.ops.splash_attention")
+    sp = _import("bench.baselines.splash")
+    _import("torch_tpu._internal.ops.splash_attention")
 
-  def fn(q, k, v):
-    return sp.torch_tpu_splash(q, k, v)
+    def fn(q, k, v):
+        return sp.torch_tpu_splash(q, k, v)
 
-  notes = [f"torch_tpu {sp.torch_tpu_version()} splash_sdpa's JAX function "
-           "(_make_splash_attention_fn: blocks 512, saves logsumexp)"]
-  if point.kv_heads not in (1, point.q_heads):
-    notes.append(f"GQA: K/V repeat_interleave'd {point.kv_heads} -> "
-                 f"{point.q_heads} heads before the kernel, as splash_sdpa does")
-  return Built(fn, ("torch_tpu_splash",), notes=tuple(notes))
+    notes = [
+        f"torch_tpu {sp.torch_tpu_version()} splash_sdpa's JAX function "
+        "(_make_splash_attention_fn: blocks 512, saves logsumexp)"
+    ]
+    if point.kv_heads not in (1, point.q_heads):
+        notes.append(
+            f"GQA: K/V repeat_interleave'd {point.kv_heads} -> "
+            f"{point.q_heads} heads before the kernel, as splash_sdpa does"
+        )
+    return Built(fn, ("torch_tpu_splash",), notes=tuple(notes))
 
 
-register(Impl("ours_flash_attention", "attention",
-              "flash_attention_tpu.flash_attention.flash_attention", _ours_attention,
-              ours=True))
-register(Impl("jax_pallas_flash_attention", "attention",
-              "jax.experimental.pallas.ops.tpu.flash_attention (default blocks)",
-              _jax_flash))
-register(Impl("jax_splash_attention", "attention",
-              "JAX's splash attention (make_splash_mha, causal mask, native GQA, "
-              "blocks 512)", _jax_splash))
-register(Impl("torch_tpu_splash", "attention",
-              "torch_tpu's splash_sdpa op (its JAX splash function; GQA by "
-              "repeat_interleave of K/V)", _torch_tpu_splash))
-register(Impl("xla_attention", "attention", "softmax(QK^T)V compiled by XLA",
-              _xla_attention, baseline=True))
+register(
+    Impl(
+        "ours_flash_attention",
+        "attention",
+        "flash_attention_tpu.flash_attention.flash_attention",
+        _ours_attention,
+        ours=True,
+    )
+)
+register(
+    Impl(
+        "jax_pallas_flash_attention",
+        "attention",
+        "jax.experimental.pallas.ops.tpu.flash_attention (default blocks)",
+        _jax_flash,
+    )
+)
+register(
+    Impl(
+        "jax_splash_attention",
+        "attention",
+        "JAX's splash attention (make_splash_mha, causal mask, native GQA, blocks 512)",
+        _jax_splash,
+    )
+)
+register(
+    Impl(
+        "torch_tpu_splash",
+        "attention",
+        "torch_tpu's splash_sdpa op (its JAX splash function; GQA by repeat_interleave of K/V)",
+        _torch_tpu_splash,
+    )
+)
+register(
+    Impl(
+        "xla_attention",
+        "attention",
+        "softmax(QK^T)V compiled by XLA",
+        _xla_attention,
+        baseline=True,
+    )
+)

@@ -37,16 +37,15 @@ import numpy as np
 
 from . import llo
 
-_LLO_FLAGS = ("--xla_jf_dump_llo_text=true "
-              "--xla_jf_dump_llo_pass_label_regex=final_bundles")
+_LLO_FLAGS = "--xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final_bundles"
 
 
 def _libtpu_loaded() -> bool:
-  try:
-    with open("/proc/self/maps") as f:
-      return "libtpu" in f.read()
-  except OSError:
-    return False
+    try:
+        with open("/proc/self/maps") as f:
+            return "libtpu" in f.read()
+    except OSError:
+        return False
 
 
 _DIR_ENV = "BENCH_DUMP_DIR"
@@ -55,35 +54,43 @@ _PID_ENV = "BENCH_DUMP_PID"
 
 
 def enable_dumps() -> str | None:
-  """Points libtpu's schedule dump and XLA's HLO dump at this process's own
-  folder (worker processes get their own: they clean up as they read).
+    """Points libtpu's schedule dump and XLA's HLO dump at this process's own
+    folder (worker processes get their own: they clean up as they read).
 
-  Returns the folder, or None when libtpu was loaded without the flags (then
-  no schedule can be read in this process).
-  """
-  d = os.environ.get(_DIR_ENV)
-  mine = os.environ.get(_PID_ENV) == str(os.getpid())
-  if d and mine and f"--xla_jf_dump_to={d}/llo" in os.environ.get("LIBTPU_INIT_ARGS", ""):
+    Returns the folder, or None when libtpu was loaded without the flags (then
+    no schedule can be read in this process).
+    """
+    d = os.environ.get(_DIR_ENV)
+    mine = os.environ.get(_PID_ENV) == str(os.getpid())
+    if d and mine and f"--xla_jf_dump_to={d}/llo" in os.environ.get("LIBTPU_INIT_ARGS", ""):
+        return d
+    if _libtpu_loaded():
+        return None
+    d = tempfile.mkdtemp(prefix="bench-dumps-")
+    atexit.register(shutil.rmtree, d, True)
+    os.environ[_DIR_ENV] = d
+    os.environ[_PID_ENV] = str(os.getpid())
+    libtpu = re.sub(
+        r"--xla_jf_dump_to=\S+|" + re.escape(_LLO_FLAGS), "", os.environ.get("LIBTPU_INIT_ARGS", "")
+    )
+    xla = re.sub(
+        r"--xla_dump_to=\S+|--xla_dump_hlo_as_text|--xla_dump_hlo_module_re=\S+",
+        "",
+        os.environ.get("XLA_FLAGS", ""),
+    )
+    os.environ["LIBTPU_INIT_ARGS"] = (
+        f"{libtpu.strip()} --xla_jf_dump_to={d}/llo {_LLO_FLAGS}".strip()
+    )
+    # only the programs bench names (new_tag): not every CPU jit of the process
+    os.environ["XLA_FLAGS"] = (
+        f"{xla.strip()} --xla_dump_to={d}/xla --xla_dump_hlo_as_text "
+        f"--xla_dump_hlo_module_re=.*{_TAG_PREFIX}[0-9]+n[0-9]+.*"
+    ).strip()
     return d
-  if _libtpu_loaded():
-    return None
-  d = tempfile.mkdtemp(prefix="bench-dumps-")
-  atexit.register(shutil.rmtree, d, True)
-  os.environ[_DIR_ENV] = d
-  os.environ[_PID_ENV] = str(os.getpid())
-  libtpu = re.sub(r"--xla_jf_dump_to=\S+|" + re.escape(_LLO_FLAGS), "",
-                  os.environ.get("LIBTPU_INIT_ARGS", ""))
-  xla = re.sub(r"--xla_dump_to=\S+|--xla_dump_hlo_as_text|--xla_dump_hlo_module_re=\S+", "",
-               os.environ.get("XLA_FLAGS", ""))
-  os.environ["LIBTPU_INIT_ARGS"] = f"{libtpu.strip()} --xla_jf_dump_to={d}/llo {_LLO_FLAGS}".strip()
-  # only the programs bench names (new_tag): not every CPU jit of the process
-  os.environ["XLA_FLAGS"] = (f"{xla.strip()} --xla_dump_to={d}/xla --xla_dump_hlo_as_text "
-                             f"--xla_dump_hlo_module_re=.*{_TAG_PREFIX}[0-9]+n[0-9]+.*").strip()
-  return d
 
 
 class Unavailable(Exception):
-  """No schedule can be read in this process (the message says why)."""
+    """No schedule can be read in this process (the message says why)."""
 
 
 _lock = threading.Lock()
@@ -91,59 +98,60 @@ _counter = [0]
 
 
 def new_tag() -> str:
-  """A program name no other compile of this process uses (dump files carry it)."""
-  with _lock:
-    _counter[0] += 1
-    return f"{_TAG_PREFIX}{os.getpid()}n{_counter[0]}"
+    """A program name no other compile of this process uses (dump files carry it)."""
+    with _lock:
+        _counter[0] += 1
+        return f"{_TAG_PREFIX}{os.getpid()}n{_counter[0]}"
 
 
 @dataclasses.dataclass
 class Dumps:
-  hlo: str | None  # XLA's optimized HLO (estimated cycles per fusion)
-  bundles: str | None  # the Mosaic kernel's final bundles (one kernel programs)
+    hlo: str | None  # XLA's optimized HLO (estimated cycles per fusion)
+    bundles: str | None  # the Mosaic kernel's final bundles (one kernel programs)
 
 
 def _read(pattern: str, exclude: str = "") -> str | None:
-  files = [f for f in glob.glob(pattern) if not exclude or exclude not in f]
-  if not files:
-    return None
-  with open(max(files, key=os.path.getsize)) as f:
-    return f.read()
+    files = [f for f in glob.glob(pattern) if not exclude or exclude not in f]
+    if not files:
+        return None
+    with open(max(files, key=os.path.getsize)) as f:
+        return f.read()
 
 
 def collect(tag: str) -> Dumps:
-  """What the compiler dumped for program `tag`; the files are removed."""
-  d = os.environ.get(_DIR_ENV)
-  if not d:
-    return Dumps(None, None)
-  out = Dumps(_read(os.path.join(d, "xla", f"*jit_{tag}.*after_optimizations.txt")),
-              _read(os.path.join(d, "llo", f"*-{tag}.*final_bundles.txt"),
-                    exclude="schedule-analysis"))
-  discard(tag)
-  return out
+    """What the compiler dumped for program `tag`; the files are removed."""
+    d = os.environ.get(_DIR_ENV)
+    if not d:
+        return Dumps(None, None)
+    out = Dumps(
+        _read(os.path.join(d, "xla", f"*jit_{tag}.*after_optimizations.txt")),
+        _read(os.path.join(d, "llo", f"*-{tag}.*final_bundles.txt"), exclude="schedule-analysis"),
+    )
+    discard(tag)
+    return out
 
 
 def discard(tag: str) -> None:
-  d = os.environ.get(_DIR_ENV)
-  if not d:
-    return
-  paths = glob.glob(os.path.join(d, "xla", f"*{tag}*")) + glob.glob(os.path.join(d, "llo", "*"))
-  for f in paths:
-    try:
-      if os.path.isdir(f):
-        shutil.rmtree(f, ignore_errors=True)
-      else:
-        os.remove(f)
-    except OSError:
-      pass
+    d = os.environ.get(_DIR_ENV)
+    if not d:
+        return
+    paths = glob.glob(os.path.join(d, "xla", f"*{tag}*")) + glob.glob(os.path.join(d, "llo", "*"))
+    for f in paths:
+        try:
+            if os.path.isdir(f):
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                os.remove(f)
+        except OSError:
+            pass
 
 
 def pack(text: str) -> str:
-  return base64.b64encode(gzip.compress(text.encode(), 6)).decode()
+    return base64.b64encode(gzip.compress(text.encode(), 6)).decode()
 
 
 def unpack(packed: str) -> str:
-  return gzip.decompress(base64.b64decode(packed)).decode()
+    return gzip.decompress(base64.b64decode(packed)).decode()
 
 
 # Stated assumption (see bench/README.md "Scheduled time"): the time from a
@@ -157,92 +165,113 @@ DMA_BANDWIDTH_FRACTION = 3.21 / 3.7
 
 
 def clock_hz(generation: str) -> float:
-  from torch_bindings import tpu_info
+    from torch_bindings import tpu_info
 
-  return tpu_info.facts(generation).clock_hz
+    return tpu_info.facts(generation).clock_hz
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSchedule:
-  name: str
-  generation: str
-  seconds: float
-  cycles: float
-  bundles: int  # issued (executed) bundles
-  static_bundles: int  # length of the schedule
-  stall_cycles: float  # waiting on DMAs
-  dmas: int
-  dma_bytes: int
-  hot_loops: list  # [{start, body_bundles, iterations, cycles, binding, floor_bundles, slots}]
-  unknown_branches: int
-  notes: list
+    name: str
+    generation: str
+    seconds: float
+    cycles: float
+    bundles: int  # issued (executed) bundles
+    static_bundles: int  # length of the schedule
+    stall_cycles: float  # waiting on DMAs
+    dmas: int
+    dma_bytes: int
+    hot_loops: list  # [{start, body_bundles, iterations, cycles, binding, floor_bundles, slots}]
+    unknown_branches: int
+    notes: list
 
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def final_bundles(fn, args, generation: str) -> str:
-  """Compiles fn(*args) (one pallas_call) for `generation`; returns the
-  kernel's final bundle schedule."""
-  from . import xla_cost
+    """Compiles fn(*args) (one pallas_call) for `generation`; returns the
+    kernel's final bundle schedule."""
+    from . import xla_cost
 
-  if enable_dumps() is None:
-    raise Unavailable("libtpu was loaded before bench could enable its schedule "
-                      "dump; import bench before torch_tpu, or run python -m bench")
-  res = xla_cost.compile_program(fn, args, generation, want_cycles=False,
-                                 want_schedule=True)
-  if not res.ok:
-    raise Unavailable(f"does not compile for {generation}: {res.error}")
-  if not res.schedule:
-    raise Unavailable("libtpu wrote no schedule for this kernel")
-  return unpack(res.schedule)
+    if enable_dumps() is None:
+        raise Unavailable(
+            "libtpu was loaded before bench could enable its schedule "
+            "dump; import bench before torch_tpu, or run python -m bench"
+        )
+    res = xla_cost.compile_program(fn, args, generation, want_cycles=False, want_schedule=True)
+    if not res.ok:
+        raise Unavailable(f"does not compile for {generation}: {res.error}")
+    if not res.schedule:
+        raise Unavailable("libtpu wrote no schedule for this kernel")
+    return unpack(res.schedule)
 
 
 def operand_values(operands) -> dict:
-  """Custom-call operand index -> array, for the concrete integer operands
-  (what a kernel can copy into SMEM or read as a scalar)."""
-  out = {}
-  for i, o in enumerate(operands):
-    if not (isinstance(o, (np.ndarray, np.generic)) or hasattr(o, "__array__")):
-      continue
-    try:
-      a = np.asarray(o)
-    except Exception:  # noqa: BLE001 - symbolic values have no data
-      continue
-    if a.dtype.kind in "iub" and a.size <= (1 << 22):
-      out[i] = a
-  return out
+    """Custom-call operand index -> array, for the concrete integer operands
+    (what a kernel can copy into SMEM or read as a scalar)."""
+    out = {}
+    for i, o in enumerate(operands):
+        if not (isinstance(o, (np.ndarray, np.generic)) or hasattr(o, "__array__")):
+            continue
+        try:
+            a = np.asarray(o)
+        except Exception:  # noqa: BLE001 - symbolic values have no data
+            continue
+        if a.dtype.kind in "iub" and a.size <= (1 << 22):
+            out[i] = a
+    return out
 
 
 def copy_bytes_per_s(generation: str) -> float:
-  from . import model
+    from . import model
 
-  return model.chip(generation).hbm_bytes_per_s * DMA_BANDWIDTH_FRACTION
+    return model.chip(generation).hbm_bytes_per_s * DMA_BANDWIDTH_FRACTION
 
 
 def hbm_model(generation: str) -> llo.HbmModel:
-  hz = clock_hz(generation)
-  return llo.HbmModel(copy_bytes_per_s(generation) / hz, DMA_LATENCY_S * hz)
+    hz = clock_hz(generation)
+    return llo.HbmModel(copy_bytes_per_s(generation) / hz, DMA_LATENCY_S * hz)
 
 
-def run_schedule(text: str, operands: dict, generation: str, name: str = "kernel",
-                 max_bundles: int = 50_000_000) -> LaunchSchedule:
-  res = llo.simulate(text, operands, hbm_model(generation), generation, max_bundles)
-  hz = clock_hz(generation)
-  static = len(llo.parse(text))
-  hot = [dict(start=l.start, body_bundles=l.body_bundles, iterations=l.iterations,
-              cycles=l.cycles, binding=l.binding, floor_bundles=round(l.floor_bundles, 1),
-              slots=l.slots)
-         for l in res.loops[:3]]
-  return LaunchSchedule(name, generation, res.cycles / hz, res.cycles, res.bundles, static,
-                        res.stall_cycles, res.dmas, res.dma_bytes, hot,
-                        res.unknown_branches, res.notes)
+def run_schedule(
+    text: str, operands: dict, generation: str, name: str = "kernel", max_bundles: int = 50_000_000
+) -> LaunchSchedule:
+    res = llo.simulate(text, operands, hbm_model(generation), generation, max_bundles)
+    hz = clock_hz(generation)
+    static = len(llo.parse(text))
+    hot = [
+        dict(
+            start=l.start,
+            body_bundles=l.body_bundles,
+            iterations=l.iterations,
+            cycles=l.cycles,
+            binding=l.binding,
+            floor_bundles=round(l.floor_bundles, 1),
+            slots=l.slots,
+        )
+        for l in res.loops[:3]
+    ]
+    return LaunchSchedule(
+        name,
+        generation,
+        res.cycles / hz,
+        res.cycles,
+        res.bundles,
+        static,
+        res.stall_cycles,
+        res.dmas,
+        res.dma_bytes,
+        hot,
+        res.unknown_branches,
+        res.notes,
+    )
 
 
 def schedule_launch(launch, generation: str) -> LaunchSchedule:
-  """Scheduled time of one walker `Launch` on `generation`."""
-  from . import walker
+    """Scheduled time of one walker `Launch` on `generation`."""
+    from . import walker
 
-  fn, args = walker.launch_program(launch)
-  text = final_bundles(fn, args, generation)
-  return run_schedule(text, operand_values(launch.operands), generation, launch.name)
+    fn, args = walker.launch_program(launch)
+    text = final_bundles(fn, args, generation)
+    return run_schedule(text, operand_values(launch.operands), generation, launch.name)

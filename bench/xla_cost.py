@@ -23,24 +23,26 @@ from typing import Any, Callable, Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
-  sys.path.insert(0, _REPO)
+    sys.path.insert(0, _REPO)
+
+from torch_bindings.aot import _TRANSIENT  # noqa: E402  (a failure that is not the program's)
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-  generation: str
-  ok: bool
-  error: str | None
-  temp_bytes: int | None
-  flops: float | None
-  bytes_accessed: float | None
-  estimated_cycles: int | None  # sum over the entry computation's fusions
-  seconds: float  # compile wall time on this host
-  schedule: str | None = None  # the Mosaic kernel's final bundles, packed
-  copy_bytes: int | None = None  # moved by copies/transposes with no estimate
+    generation: str
+    ok: bool
+    error: str | None
+    temp_bytes: int | None
+    flops: float | None
+    bytes_accessed: float | None
+    estimated_cycles: int | None  # sum over the entry computation's fusions
+    seconds: float  # compile wall time on this host
+    schedule: str | None = None  # the Mosaic kernel's final bundles, packed
+    copy_bytes: int | None = None  # moved by copies/transposes with no estimate
 
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -49,141 +51,175 @@ _NO_ESTIMATE = (1 << 63) - 1
 
 
 def _entry_cycles(hlo_text: str) -> int | None:
-  """Sum of the estimated_cycles XLA's TPU cost model wrote into the
-  optimized module, over every instruction that carries one.
+    """Sum of the estimated_cycles XLA's TPU cost model wrote into the
+    optimized module, over every instruction that carries one.
 
-  They sit on fusions, often inside the computations the entry calls (async
-  wrappers, scatter offloads), so the whole module is read, not just ENTRY.
-  Sorts, gathers and copies usually carry none: the sweep never charges an
-  XLA part less than its roofline.
-  """
-  found = [int(m) for m in _CYCLES.findall(hlo_text) if int(m) != _NO_ESTIMATE]
-  return sum(found) if found else None
+    They sit on fusions, often inside the computations the entry calls (async
+    wrappers, scatter offloads), so the whole module is read, not just ENTRY.
+    Sorts, gathers and copies usually carry none: the sweep never charges an
+    XLA part less than its roofline.
+    """
+    found = [int(m) for m in _CYCLES.findall(hlo_text) if int(m) != _NO_ESTIMATE]
+    return sum(found) if found else None
 
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 _COPY = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* (copy|transpose)\(", re.M)
 
 
 def _unestimated_copy_bytes(hlo_text: str) -> int:
-  """Bytes read + written by the copies and transposes XLA left without an
-  estimate (e.g. relayouts of weights it is given in another layout): time
-  the estimated cycles do not include."""
-  total = 0
-  for m in _COPY.finditer(hlo_text):
-    line_end = hlo_text.find("\n", m.end())
-    if '"estimated_cycles"' in hlo_text[m.start():line_end]:
-      continue
-    dims = [int(d) for d in m.group(2).split(",") if d]
-    n = 1
-    for d in dims:
-      n *= d
-    total += 2 * n * _ITEMSIZE.get(m.group(1), 4)
-  return total
+    """Bytes read + written by the copies and transposes XLA left without an
+    estimate (e.g. relayouts of weights it is given in another layout): time
+    the estimated cycles do not include."""
+    total = 0
+    for m in _COPY.finditer(hlo_text):
+        line_end = hlo_text.find("\n", m.end())
+        if '"estimated_cycles"' in hlo_text[m.start() : line_end]:
+            continue
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        n = 1
+        for d in dims:
+            n *= d
+        total += 2 * n * _ITEMSIZE.get(m.group(1), 4)
+    return total
 
 
-def compile_program(fn: Callable, args: Sequence[Any], generation: str,
-                    want_cycles: bool = True, want_schedule: bool = False) -> Compiled:
-  """Compiles fn(*args) (args: ShapeDtypeStructs) for `generation`.
+def compile_program(
+    fn: Callable,
+    args: Sequence[Any],
+    generation: str,
+    want_cycles: bool = True,
+    want_schedule: bool = False,
+) -> Compiled:
+    """Compiles fn(*args) (args: ShapeDtypeStructs) for `generation`.
 
-  With the compiler's dumps on (bench.schedule.enable_dumps), also reads the
-  XLA program's estimated cycles and, with `want_schedule`, the final VLIW
-  schedule of its Mosaic kernel (gzip + base64, for bench.schedule).
-  """
-  import time
+    With the compiler's dumps on (bench.schedule.enable_dumps), also reads the
+    XLA program's estimated cycles and, with `want_schedule`, the final VLIW
+    schedule of its Mosaic kernel (gzip + base64, for bench.schedule).
+    """
+    import time
 
-  from torch_bindings.aot import executable_costs, tpu_compile
+    from torch_bindings.aot import executable_costs, tpu_compile
 
-  from . import schedule
+    from . import schedule
 
-  t0 = time.perf_counter()
-  tag = schedule.new_tag()
+    t0 = time.perf_counter()
+    tag = schedule.new_tag()
 
-  def program(*a):
-    return fn(*a)
+    def program(*a):
+        return fn(*a)
 
-  program.__name__ = tag
-  try:
-    exe = tpu_compile(program, list(args), generation)
-  except Exception as e:  # noqa: BLE001 - the compiler raises many types
-    schedule.discard(tag)
-    return Compiled(generation, False, _short_error(f"{type(e).__name__}: {e}"), None, None, None,
-                    None, time.perf_counter() - t0)
-  temp, flops, nbytes = executable_costs(exe)
-  dumps = schedule.collect(tag)
-  cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
-  copies = _unestimated_copy_bytes(dumps.hlo) if (want_cycles and dumps.hlo) else None
-  sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
-  return Compiled(generation, True, None, temp, flops, nbytes, cycles,
-                  time.perf_counter() - t0, sched, copies)
+    program.__name__ = tag
+    try:
+        exe = tpu_compile(program, list(args), generation)
+    except Exception as e:  # noqa: BLE001 - the compiler raises many types
+        schedule.discard(tag)
+        return Compiled(
+            generation,
+            False,
+            _short_error(f"{type(e).__name__}: {e}"),
+            None,
+            None,
+            None,
+            None,
+            time.perf_counter() - t0,
+        )
+    temp, flops, nbytes = executable_costs(exe)
+    dumps = schedule.collect(tag)
+    cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
+    copies = _unestimated_copy_bytes(dumps.hlo) if (want_cycles and dumps.hlo) else None
+    sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
+    return Compiled(
+        generation, True, None, temp, flops, nbytes, cycles, time.perf_counter() - t0, sched, copies
+    )
 
 
 def _short_error(msg: str) -> str:
-  # Keep the compiler's one-line reason (e.g. CompileTimeScopedVmemOom).
-  for pat in ("CompileTimeScopedVmemOom", "RESOURCE_EXHAUSTED", "ResourceExhausted"):
-    i = msg.find(pat)
-    if i >= 0:
-      return msg[max(0, i - 40):i + 300].replace("\n", " ")
-  return msg[:400].replace("\n", " ")
+    # Keep the compiler's one-line reason (e.g. CompileTimeScopedVmemOom).
+    for pat in ("CompileTimeScopedVmemOom", "RESOURCE_EXHAUSTED", "ResourceExhausted"):
+        i = msg.find(pat)
+        if i >= 0:
+            return msg[max(0, i - 40) : i + 300].replace("\n", " ")
+    return msg[:400].replace("\n", " ")
 
 
 class CompileCache:
-  """(key, generation) -> Compiled, optionally persisted as JSON lines."""
+    """(key, generation) -> Compiled, optionally persisted as JSON lines."""
 
-  def __init__(self, path: str | None = None, read_also: Sequence[str] = ()):
-    """Results are appended to `path`; `read_also` are more files to load
-    (other workers' shards)."""
-    self.path = path
-    self._mem: dict[str, Compiled] = {}
-    self._lock = threading.Lock()
-    for p in ([path] if path else []) + list(read_also):
-      if p and os.path.exists(p):
-        self._load(p)
+    def __init__(self, path: str | None = None, read_also: Sequence[str] = ()):
+        """Results are appended to `path`; `read_also` are more files to load
+        (other workers' shards)."""
+        self.path = path
+        self._mem: dict[str, Compiled] = {}
+        self._lock = threading.Lock()
+        for p in ([path] if path else []) + list(read_also):
+            if p and os.path.exists(p):
+                self._load(p)
 
-  def _load(self, path: str) -> None:
-    with open(path) as f:
-      for line in f:
-        try:
-          rec = json.loads(line)
-          self._mem[rec["key"]] = Compiled(**rec["value"])
-        except Exception:  # noqa: BLE001 - a torn line is just a miss
-          continue
+    def _load(self, path: str) -> None:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    self._mem[rec["key"]] = Compiled(**rec["value"])
+                except Exception:  # noqa: BLE001 - a torn line is just a miss
+                    continue
 
-  def merge_from(self, paths: Sequence[str]) -> None:
-    """Folds other cache files into this one (and its file), then removes them."""
-    for p in paths:
-      if not os.path.exists(p):
-        continue
-      before = set(self._mem)
-      self._load(p)
-      if self.path:
-        with open(self.path, "a") as f:
-          for k in set(self._mem) - before:
-            f.write(json.dumps({"key": k, "value": self._mem[k].to_json()}) + "\n")
-      os.remove(p)
+    def merge_from(self, paths: Sequence[str]) -> None:
+        """Folds other cache files into this one (and its file), then removes them."""
+        for p in paths:
+            if not os.path.exists(p):
+                continue
+            before = set(self._mem)
+            self._load(p)
+            if self.path:
+                with open(self.path, "a") as f:
+                    for k in set(self._mem) - before:
+                        f.write(json.dumps({"key": k, "value": self._mem[k].to_json()}) + "\n")
+            os.remove(p)
 
-  @staticmethod
-  def _k(key, generation) -> str:
-    return json.dumps([key, generation], sort_keys=True, default=str)
+    @staticmethod
+    def _k(key, generation) -> str:
+        return json.dumps([key, generation], sort_keys=True, default=str)
 
-  def get(self, key, generation, fn: Callable, args: Sequence[Any],
-          want_cycles: bool = True, want_schedule: bool = False) -> Compiled:
-    k = self._k(key, generation)
-    with self._lock:
-      hit = self._mem.get(k)
-    # A cached result lacking what is asked now (older cache) is compiled again.
-    if hit is not None and (hit.ok is False or not want_schedule or hit.schedule):
-      return hit
-    res = compile_program(fn, args, generation, want_cycles, want_schedule)
-    if not res.ok and _TRANSIENT in (res.error or ""):
-      return res  # not a property of the program: do not remember it
-    with self._lock:
-      self._mem[k] = res
-      if self.path:
-        with open(self.path, "a") as f:
-          f.write(json.dumps({"key": k, "value": res.to_json()}) + "\n")
-    return res
+    def get(
+        self,
+        key,
+        generation,
+        fn: Callable,
+        args: Sequence[Any],
+        want_cycles: bool = True,
+        want_schedule: bool = False,
+    ) -> Compiled:
+        k = self._k(key, generation)
+        with self._lock:
+            hit = self._mem.get(k)
+        # A cached result lacking what is asked now (older cache) is compiled again.
+        if hit is not None and (hit.ok is False or not want_schedule or hit.schedule):
+            return hit
+        res = compile_program(fn, args, generation, want_cycles, want_schedule)
+        if not res.ok and _TRANSIENT in (res.error or ""):
+            return res  # not a property of the program: do not remember it
+        with self._lock:
+            self._mem[k] = res
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"key": k, "value": res.to_json()}) + "\n")
+        return res
 
-  def __len__(self):
-    return len(self._mem)
+    def __len__(self):
+        return len(self._mem)

@@ -52,11 +52,17 @@ def main(argv=None) -> int:
         with torch_bindings_impl(impl):
             jitted = op._jitted(impl, (1e-6, False))
             xj, wj = convert.to_jax(x), convert.to_jax(w)
-            direct = _time_per_call(lambda: jitted(xj, wj).block_until_ready(), args.calls, args.repeats)
+            direct = _time_per_call(
+                lambda: jitted(xj, wj).block_until_ready(), args.calls, args.repeats
+            )
             via_op = _time_per_call(lambda: op(x, w, 1e-6, False), args.calls, args.repeats)
-            public = _time_per_call(lambda: rmsnorm_tpu.rms_norm(x, w, 1e-6), args.calls, args.repeats)
-        print(f"{impl:9s}  jitted JAX direct {direct:6.1f} us | torch op {via_op:6.1f} us "
-              f"(+{via_op - direct:5.1f}) | public rms_norm {public:6.1f} us (+{public - direct:5.1f})")
+            public = _time_per_call(
+                lambda: rmsnorm_tpu.rms_norm(x, w, 1e-6), args.calls, args.repeats
+            )
+        print(
+            f"{impl:9s}  jitted JAX direct {direct:6.1f} us | torch op {via_op:6.1f} us "
+            f"(+{via_op - direct:5.1f}) | public rms_norm {public:6.1f} us (+{public - direct:5.1f})"
+        )
     return 0
 
 

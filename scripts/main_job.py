@@ -34,7 +34,7 @@ def _say(msg: str) -> None:
 
 
 def device() -> str:
-    """"tpu" when torch has a TPU accelerator (torch_tpu allows only the public
+    """ "tpu" when torch has a TPU accelerator (torch_tpu allows only the public
     `torch.accelerator` API: `torch.tpu.is_available()` raises even on a TPU host)."""
     import torch
 
@@ -106,8 +106,11 @@ def run_sweep(cmd: list[str], log_path: Path) -> None:
 
 
 def build(out: Path) -> dict[str, Path]:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     lib = tomllib.loads((ROOT / "build.toml").read_text())["library"]
     repos = {}
     for folder in lib["kernels"]:
@@ -125,8 +128,10 @@ def load_all(repos: dict[str, Path]):
     for repo_id, path in repos.items():
         k = get_kernel(repo_id, version=1, trust_remote_code=[repo_id])
         loaded[repo_id.split("/", 1)[1]] = k
-        _say(f"built {path}; get_kernel({repo_id!r}, version=1) -> {k.__name__} "
-             f"({', '.join(k.__all__)})")
+        _say(
+            f"built {path}; get_kernel({repo_id!r}, version=1) -> {k.__name__} "
+            f"({', '.join(k.__all__)})"
+        )
     return loaded
 
 
@@ -134,10 +139,20 @@ def tiny_moe(save_dir: Path):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-                         norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        norm_topk_prob=True,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).float()
     model.save_pretrained(save_dir)
@@ -159,7 +174,11 @@ def run_moe(loaded, dev: str) -> None:
         ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0)).to(dev)
         outs = {}
         for impl in ("grouped_mm", "ragged_dot_tpu"):
-            model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl).to(dev).eval()
+            model = (
+                AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl)
+                .to(dev)
+                .eval()
+            )
             with torch.no_grad():
                 outs[impl] = model.generate(ids, max_new_tokens=8, do_sample=False)
             _say(f"tiny Qwen3-MoE, experts_implementation={impl!r}: {outs[impl][0, -8:].tolist()}")
@@ -177,8 +196,21 @@ def run_rmsnorm(loaded, repos, dev: str) -> None:
     if "rmsnorm-tpu" not in loaded:
         return
     torch.manual_seed(0)
-    ref = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2)).float().to(dev).eval()
+    ref = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
+        .float()
+        .to(dev)
+        .eval()
+    )
     model = copy.deepcopy(ref)
     repo_path = next(p for r, p in repos.items() if r.endswith("/rmsnorm-tpu"))
     mapping = {"RMSNorm": {dev: LocalLayerRepository(repo_path=repo_path, layer_name="RMSNorm")}}
@@ -192,22 +224,34 @@ def run_rmsnorm(loaded, repos, dev: str) -> None:
         raise SystemExit("kernelized RMSNorm disagrees with transformers")
 
 
-MAIN_JOB_IMPLS = ("ours_moe_experts", "hf_grouped_mm", "ours_rmsnorm", "xla_rmsnorm",
-                  "ours_flash_attention", "jax_splash_attention")
+MAIN_JOB_IMPLS = (
+    "ours_moe_experts",
+    "hf_grouped_mm",
+    "ours_rmsnorm",
+    "xla_rmsnorm",
+    "ours_flash_attention",
+    "jax_splash_attention",
+)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(ROOT / "results"), help="where the sweep report and plots go")
-    p.add_argument("--dist", default=str(ROOT / "dist"), help="where publish.py writes the Hub repos")
+    p.add_argument(
+        "--out", default=str(ROOT / "results"), help="where the sweep report and plots go"
+    )
+    p.add_argument(
+        "--dist", default=str(ROOT / "dist"), help="where publish.py writes the Hub repos"
+    )
     p.add_argument("--full", action="store_true", help="full sweep instead of the quick one")
     args = p.parse_args(argv)
 
     quiet_libraries()
     dev = device()
     if dev == "cpu":
-        _say("no TPU on this machine: kernels run through JAX on the CPU (Pallas interpret mode); "
-             "TPU performance comes from the model in bench/, not from timings")
+        _say(
+            "no TPU on this machine: kernels run through JAX on the CPU (Pallas interpret mode); "
+            "TPU performance comes from the model in bench/, not from timings"
+        )
     else:
         _say("TPU found: kernels run on the TPU")
     repos = build(Path(args.dist))
@@ -223,7 +267,9 @@ def main(argv=None) -> int:
         sweep += ["--quick", "--impls", ",".join(MAIN_JOB_IMPLS)]
     _say("sweep: " + " ".join(sweep[1:]))
     run_sweep(sweep, Path(args.out) / "sweep.log")
-    _say(f"report: {Path(args.out) / 'results.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json")
+    _say(
+        f"report: {Path(args.out) / 'results.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json"
+    )
     return 0
 
 

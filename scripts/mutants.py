@@ -78,203 +78,331 @@ FA_SCALE = f"{T_FA}::test_softmax_scale_reaches_every_kernel[0.05-float32]"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- RMSNorm kernels ------------------------------------------------------
-    Mutant("rms-bwd-eps", RMS,
-           "rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)\n    xhat = x * rstd",
-           "rstd = 1.0 / (jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)\n    xhat = x * rstd",
-           (RMS_BLOCKS,), "backward: eps as 1/(sqrt(ms)+eps), not rsqrt(ms+eps)"),
-    Mutant("rms-dw-overwrite", RMS,
-           "dw_ref[...] += jnp.sum(contrib, axis=0, keepdims=True)",
-           "dw_ref[...] = jnp.sum(contrib, axis=0, keepdims=True)",
-           (RMS_BLOCKS,), "backward: weight grad overwritten per row block"),
-    Mutant("rms-dw-tail-mask", RMS,
-           "contrib = jnp.where(row < rows, dy * xhat, 0.0)",
-           "contrib = dy * xhat",
-           (RMS_BLOCKS,), "backward: ragged last block's padded rows summed into dweight"),
-    Mutant("rms-gemma", RMS,
-           "return 1.0 + w if gemma else w",
-           "return w",
-           (RMS_BLOCKS,), "Gemma's (1 + w) dropped"),
-    Mutant("rms-bwd-ds", RMS,
-           "dx = dx + ds_ref[...].astype(jnp.float32)",
-           "dx = dx",
-           (RMS_BLOCKS,), "backward: residual-stream grad ds not added"),
-    Mutant("rms-fused-normalises-x", RMS,
-           "x = s.astype(jnp.float32)",
-           "x = x_ref[...].astype(jnp.float32)",
-           (f"{T_RMS}::test_fused_residual_matches_reference",),
-           "fused forward normalises x instead of x + residual"),
-    Mutant("rms-op-residual-grad", RMS_OPS,
-           "return dx, dx, dw, None, None",
-           "return dx, None, dw, None, None",
-           (f"{T_RMS_OP}::test_fused_add_grads_flow_to_both_inputs",),
-           "binding: no gradient to the residual input"),
+    Mutant(
+        "rms-bwd-eps",
+        RMS,
+        "rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)\n    xhat = x * rstd",
+        "rstd = 1.0 / (jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)\n    xhat = x * rstd",
+        (RMS_BLOCKS,),
+        "backward: eps as 1/(sqrt(ms)+eps), not rsqrt(ms+eps)",
+    ),
+    Mutant(
+        "rms-dw-overwrite",
+        RMS,
+        "dw_ref[...] += jnp.sum(contrib, axis=0, keepdims=True)",
+        "dw_ref[...] = jnp.sum(contrib, axis=0, keepdims=True)",
+        (RMS_BLOCKS,),
+        "backward: weight grad overwritten per row block",
+    ),
+    Mutant(
+        "rms-dw-tail-mask",
+        RMS,
+        "contrib = jnp.where(row < rows, dy * xhat, 0.0)",
+        "contrib = dy * xhat",
+        (RMS_BLOCKS,),
+        "backward: ragged last block's padded rows summed into dweight",
+    ),
+    Mutant(
+        "rms-gemma",
+        RMS,
+        "return 1.0 + w if gemma else w",
+        "return w",
+        (RMS_BLOCKS,),
+        "Gemma's (1 + w) dropped",
+    ),
+    Mutant(
+        "rms-bwd-ds",
+        RMS,
+        "dx = dx + ds_ref[...].astype(jnp.float32)",
+        "dx = dx",
+        (RMS_BLOCKS,),
+        "backward: residual-stream grad ds not added",
+    ),
+    Mutant(
+        "rms-fused-normalises-x",
+        RMS,
+        "x = s.astype(jnp.float32)",
+        "x = x_ref[...].astype(jnp.float32)",
+        (f"{T_RMS}::test_fused_residual_matches_reference",),
+        "fused forward normalises x instead of x + residual",
+    ),
+    Mutant(
+        "rms-op-residual-grad",
+        RMS_OPS,
+        "return dx, dx, dw, None, None",
+        "return dx, None, dw, None, None",
+        (f"{T_RMS_OP}::test_fused_add_grads_flow_to_both_inputs",),
+        "binding: no gradient to the residual input",
+    ),
     # -- ragged_dot: gmm ----------------------------------------------------------
-    Mutant("gmm-row-mask", GMM,
-           "keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
-           "keep = ridx < r_hi",
-           (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
-           "gmm: lower row mask dropped (a group overwrites its neighbour's shared tile rows)"),
-    Mutant("gmm-skip-last-expert", GMM,
-           "count = lax.fori_loop(0, num_local, collect, 0)",
-           "count = lax.fori_loop(0, num_local - 1, collect, 0)",
-           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
-           "gmm: last expert never made active"),
-    Mutant("gmm-group-offset", GMM,
-           "g = goff_ref[0] + j",
-           "g = j",
-           (f"{T_GMM}::test_shard_fetches_only_its_own_active_experts",),
-           "gmm: expert-parallel group offset ignored"),
-    Mutant("gmm-tile-end", GMM,
-           "tile_hi = jnp.minimum(tile_lo + block_m, m)",
-           "tile_hi = jnp.minimum(tile_lo + block_m - 1, m)",
-           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
-           "gmm: off-by-one at the row tile's end"),
-    Mutant("gmm-last-row-tile", GMM,
-           "last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m), first, tiles - 1)",
-           "last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m) - 1, first, tiles - 1)",
-           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
-           "gmm: lhs index map skips the last row tile holding rows"),
-    Mutant("gmm-dma-slot", GMM,
-           "start(n_i + 1, 0, 1 - slot)",
-           "start(n_i + 1, 0, slot)",
-           (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
-           "gmm: next N slab prefetched into the buffer in use"),
-    Mutant("gmm-cast", GMM,
-           "x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)",
-           "x = lhs_ref[pl.ds(r0, size), :].astype(jnp.bfloat16)",
-           (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
-           "gmm: f32 lhs rounded to bf16 before the MXU (wrong cast)"),
+    Mutant(
+        "gmm-row-mask",
+        GMM,
+        "keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
+        "keep = ridx < r_hi",
+        (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
+        "gmm: lower row mask dropped (a group overwrites its neighbour's shared tile rows)",
+    ),
+    Mutant(
+        "gmm-skip-last-expert",
+        GMM,
+        "count = lax.fori_loop(0, num_local, collect, 0)",
+        "count = lax.fori_loop(0, num_local - 1, collect, 0)",
+        (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+        "gmm: last expert never made active",
+    ),
+    Mutant(
+        "gmm-group-offset",
+        GMM,
+        "g = goff_ref[0] + j",
+        "g = j",
+        (f"{T_GMM}::test_shard_fetches_only_its_own_active_experts",),
+        "gmm: expert-parallel group offset ignored",
+    ),
+    Mutant(
+        "gmm-tile-end",
+        GMM,
+        "tile_hi = jnp.minimum(tile_lo + block_m, m)",
+        "tile_hi = jnp.minimum(tile_lo + block_m - 1, m)",
+        (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+        "gmm: off-by-one at the row tile's end",
+    ),
+    Mutant(
+        "gmm-last-row-tile",
+        GMM,
+        "last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m), first, tiles - 1)",
+        "last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m) - 1, first, tiles - 1)",
+        (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+        "gmm: lhs index map skips the last row tile holding rows",
+    ),
+    Mutant(
+        "gmm-dma-slot",
+        GMM,
+        "start(n_i + 1, 0, 1 - slot)",
+        "start(n_i + 1, 0, slot)",
+        (f"{T_GMM}::test_kernel_fetches_each_active_expert_once_and_never_an_empty_one",),
+        "gmm: next N slab prefetched into the buffer in use",
+    ),
+    Mutant(
+        "gmm-cast",
+        GMM,
+        "x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)",
+        "x = lhs_ref[pl.ds(r0, size), :].astype(jnp.bfloat16)",
+        (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
+        "gmm: f32 lhs rounded to bf16 before the MXU (wrong cast)",
+    ),
     # -- ragged_dot: tgmm and the custom_vjp ---------------------------------------
-    Mutant("tgmm-acc-overwrite", TGMM,
-           "acc_ref[:, pl.ds(c0, piece_n)] += lax.dot_general(",
-           "acc_ref[:, pl.ds(c0, piece_n)] = lax.dot_general(",
-           (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
-           "tgmm: accumulator overwritten per row pass"),
-    Mutant("tgmm-row-mask", TGMM,
-           "x = jnp.where(keep, x, jnp.zeros_like(x)).astype(compute_dtype)",
-           "x = x.astype(compute_dtype)",
-           (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
-           "tgmm: lhs rows outside the group not masked (NaN in padded rows leaks)"),
-    Mutant("tgmm-tile-end", TGMM,
-           "tile_hi = jnp.minimum(tile_lo + block_m, m)",
-           "tile_hi = jnp.minimum(tile_lo + block_m - 1, m)",
-           (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
-           "tgmm: off-by-one at the row tile's end"),
-    Mutant("rd-dlhs-offset", RD,
-           "d_lhs = gmm(grad, rhs, group_sizes, group_offset=group_offset,",
-           "d_lhs = gmm(grad, rhs, group_sizes, group_offset=0,",
-           (f"{T_GMM}::test_group_offset_shards_sum_to_full_result[float32]",),
-           "custom_vjp: d_lhs ignores the shard's group offset"),
+    Mutant(
+        "tgmm-acc-overwrite",
+        TGMM,
+        "acc_ref[:, pl.ds(c0, piece_n)] += lax.dot_general(",
+        "acc_ref[:, pl.ds(c0, piece_n)] = lax.dot_general(",
+        (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+        "tgmm: accumulator overwritten per row pass",
+    ),
+    Mutant(
+        "tgmm-row-mask",
+        TGMM,
+        "x = jnp.where(keep, x, jnp.zeros_like(x)).astype(compute_dtype)",
+        "x = x.astype(compute_dtype)",
+        (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+        "tgmm: lhs rows outside the group not masked (NaN in padded rows leaks)",
+    ),
+    Mutant(
+        "tgmm-tile-end",
+        TGMM,
+        "tile_hi = jnp.minimum(tile_lo + block_m, m)",
+        "tile_hi = jnp.minimum(tile_lo + block_m - 1, m)",
+        (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+        "tgmm: off-by-one at the row tile's end",
+    ),
+    Mutant(
+        "rd-dlhs-offset",
+        RD,
+        "        group_sizes,\n        group_offset=group_offset,\n        transpose_rhs=not transpose_rhs,",
+        "        group_sizes,\n        group_offset=0,\n        transpose_rhs=not transpose_rhs,",
+        (f"{T_GMM}::test_group_offset_shards_sum_to_full_result[float32]",),
+        "custom_vjp: d_lhs ignores the shard's group offset",
+    ),
     # -- MoE glue -------------------------------------------------------------------
-    Mutant("moe-offset-sign", MOE,
-           "ids = top_k_index.reshape(-1).astype(jnp.int32) - jnp.asarray(",
-           "ids = top_k_index.reshape(-1).astype(jnp.int32) + jnp.asarray(",
-           (f"{T_MOE}::test_expert_parallel_sentinels_and_shards",),
-           "moe: expert offset added instead of subtracted"),
-    Mutant("moe-unpermute", MOE,
-           "final = weighted[inv].reshape(t, k, h).sum(axis=1)",
-           "final = weighted[order].reshape(t, k, h).sum(axis=1)",
-           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
-           "moe: rows unpermuted with the forward permutation"),
-    Mutant("moe-interleave", MOE,
-           "gate, up = h[:, 0::2], h[:, 1::2]",
-           "up, gate = h[:, 0::2], h[:, 1::2]",
-           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[gpt_oss]",),
-           "moe: interleaved gate/up halves swapped"),
-    Mutant("moe-last-expert-bias", MOE,
-           "ids_clamped = jnp.minimum(key_sorted, num_experts - 1)",
-           "ids_clamped = jnp.minimum(key_sorted, num_experts - 2)",
-           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[gpt_oss]",),
-           "moe: last expert gets its neighbour's bias"),
-    Mutant("moe-weights-cast", MOE,
-           "w = top_k_weights.reshape(-1)[order].astype(jnp.float32)",
-           "w = top_k_weights.reshape(-1)[order].astype(jnp.bfloat16)",
-           (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[qwen_mixtral]",),
-           "moe: routing weights rounded to bf16 (wrong cast)"),
-    Mutant("experts-unfused-unpermute", EXPERTS,
-           "return weighted[inv].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)",
-           "return weighted[order].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)",
-           (f"{T_EXP}::test_custom_gate_and_post_norm_take_the_unfused_path",),
-           "experts_forward (unfused path): wrong unpermutation"),
-    Mutant("experts-gelu-tanh", EXPERTS,
-           '"GELUTanh": "gelu_pytorch_tanh",',
-           '"GELUTanh": "gelu",',
-           (f"{T_EXP}::test_forward_and_grads_match_transformers[gemma4-reference]",),
-           "experts_forward: tanh GELU mapped to the exact GELU"),
-    Mutant("experts-up-bias", EXPERTS,
-           'up_bias = getattr(module, f"{prefix}_bias", None) if module.has_bias else None',
-           "up_bias = None",
-           (f"{T_EXP}::test_forward_and_grads_match_transformers[gpt_oss-reference]",),
-           "experts_forward: gate/up bias dropped"),
+    Mutant(
+        "moe-offset-sign",
+        MOE,
+        "ids = top_k_index.reshape(-1).astype(jnp.int32) - jnp.asarray(",
+        "ids = top_k_index.reshape(-1).astype(jnp.int32) + jnp.asarray(",
+        (f"{T_MOE}::test_expert_parallel_sentinels_and_shards",),
+        "moe: expert offset added instead of subtracted",
+    ),
+    Mutant(
+        "moe-unpermute",
+        MOE,
+        "final = weighted[inv].reshape(t, k, h).sum(axis=1)",
+        "final = weighted[order].reshape(t, k, h).sum(axis=1)",
+        (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
+        "moe: rows unpermuted with the forward permutation",
+    ),
+    Mutant(
+        "moe-interleave",
+        MOE,
+        "gate, up = h[:, 0::2], h[:, 1::2]",
+        "up, gate = h[:, 0::2], h[:, 1::2]",
+        (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[gpt_oss]",),
+        "moe: interleaved gate/up halves swapped",
+    ),
+    Mutant(
+        "moe-last-expert-bias",
+        MOE,
+        "ids_clamped = jnp.minimum(key_sorted, num_experts - 1)",
+        "ids_clamped = jnp.minimum(key_sorted, num_experts - 2)",
+        (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[gpt_oss]",),
+        "moe: last expert gets its neighbour's bias",
+    ),
+    Mutant(
+        "moe-weights-cast",
+        MOE,
+        "w = top_k_weights.reshape(-1)[order].astype(jnp.float32)",
+        "w = top_k_weights.reshape(-1)[order].astype(jnp.bfloat16)",
+        (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[qwen_mixtral]",),
+        "moe: routing weights rounded to bf16 (wrong cast)",
+    ),
+    Mutant(
+        "experts-unfused-unpermute",
+        EXPERTS,
+        "return weighted[inv].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)",
+        "return weighted[order].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)",
+        (f"{T_EXP}::test_custom_gate_and_post_norm_take_the_unfused_path",),
+        "experts_forward (unfused path): wrong unpermutation",
+    ),
+    Mutant(
+        "experts-gelu-tanh",
+        EXPERTS,
+        '"GELUTanh": "gelu_pytorch_tanh",',
+        '"GELUTanh": "gelu",',
+        (f"{T_EXP}::test_forward_and_grads_match_transformers[gemma4-reference]",),
+        "experts_forward: tanh GELU mapped to the exact GELU",
+    ),
+    Mutant(
+        "experts-up-bias",
+        EXPERTS,
+        'up_bias = getattr(module, f"{prefix}_bias", None) if module.has_bias else None',
+        "up_bias = None",
+        (f"{T_EXP}::test_forward_and_grads_match_transformers[gpt_oss-reference]",),
+        "experts_forward: gate/up bias dropped",
+    ),
     # -- flash attention --------------------------------------------------------------
-    Mutant("fa-fwd-mask", FA,
-           "s = jnp.where(mask, s, NEG_INF)",
-           "s = s",
-           (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
-           "forward: mask dropped from the logits"),
-    Mutant("fa-fwd-sinks", FA,
-           "l = l * keep + jnp.exp(sink - m_fin)",
-           "l = l * keep",
-           (f"{T_FA}::test_decode_layout_multiple_row_blocks_with_sinks",),
-           "forward: sink left out of the softmax denominator"),
-    Mutant("fa-dq-scale", FA,
-           "dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)",
-           "dq_ref[...] = (dq_acc[...] * (1.0 / math.sqrt(prm.head_dim))).astype(dq_ref.dtype)",
-           (FA_SCALE,), "dQ: softmax_scale ignored (1/sqrt(D) used)"),
-    Mutant("fa-dk-overwrite", FA,
-           "dk_acc[...] += dk",
-           "dk_acc[...] = dk",
-           (FA_SCALE,), "dK: accumulator overwritten per q block"),
-    Mutant("fa-dkdv-softcap", FA,
-           "ds = ds * (1.0 - t * t)\n        dk = lax.dot_general",
-           "ds = ds\n        dk = lax.dot_general",
-           (FA_SCALE,), "dK: softcap's tanh derivative dropped"),
-    Mutant("fa-window-left", FA,
-           "m = jnp.logical_and(m, kidx >= qpos - prm.left)",
-           "m = jnp.logical_and(m, kidx > qpos - prm.left)",
-           (f"{T_FA}::test_decode_layout_multiple_row_blocks_with_sinks",),
-           "mask: left window edge off by one"),
-    Mutant("fa-lse-cotangent", FA,
-           "delta = delta - dlse.astype(jnp.float32)",
-           "delta = delta + dlse.astype(jnp.float32)",
-           (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
-           "backward: logsumexp cotangent folded in with the wrong sign"),
-    Mutant("fa-subtile-last", FA_SCHED,
-           "c_hi = xp.minimum(((hi - kf) >> shift) + 1, geom.block_kv // ck)",
-           "c_hi = xp.minimum(((hi - kf) >> shift), geom.block_kv // ck)",
-           (f"{T_FA}::test_sub_tiles_cover_exactly_the_visible_ones",),
-           "schedule: last visible sub-tile of a masked pair skipped"),
-    Mutant("fa-varlen-segments", FA,
-           'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="right") - 1, 0, cu_k.shape[0] - 2)',
-           'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="left") - 1, 0, cu_k.shape[0] - 2)',
-           (f"{T_FA}::test_varlen_many_sequences_some_empty",),
-           "varlen: first key of each sequence assigned to the previous one"),
+    Mutant(
+        "fa-fwd-mask",
+        FA,
+        "s = jnp.where(mask, s, NEG_INF)",
+        "s = s",
+        (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
+        "forward: mask dropped from the logits",
+    ),
+    Mutant(
+        "fa-fwd-sinks",
+        FA,
+        "l = l * keep + jnp.exp(sink - m_fin)",
+        "l = l * keep",
+        (f"{T_FA}::test_decode_layout_multiple_row_blocks_with_sinks",),
+        "forward: sink left out of the softmax denominator",
+    ),
+    Mutant(
+        "fa-dq-scale",
+        FA,
+        "dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)",
+        "dq_ref[...] = (dq_acc[...] * (1.0 / math.sqrt(prm.head_dim))).astype(dq_ref.dtype)",
+        (FA_SCALE,),
+        "dQ: softmax_scale ignored (1/sqrt(D) used)",
+    ),
+    Mutant(
+        "fa-dk-overwrite",
+        FA,
+        "dk_acc[...] += dk",
+        "dk_acc[...] = dk",
+        (FA_SCALE,),
+        "dK: accumulator overwritten per q block",
+    ),
+    Mutant(
+        "fa-dkdv-softcap",
+        FA,
+        "ds = ds * (1.0 - t * t)\n        dk = lax.dot_general",
+        "ds = ds\n        dk = lax.dot_general",
+        (FA_SCALE,),
+        "dK: softcap's tanh derivative dropped",
+    ),
+    Mutant(
+        "fa-window-left",
+        FA,
+        "m = jnp.logical_and(m, kidx >= qpos - prm.left)",
+        "m = jnp.logical_and(m, kidx > qpos - prm.left)",
+        (f"{T_FA}::test_decode_layout_multiple_row_blocks_with_sinks",),
+        "mask: left window edge off by one",
+    ),
+    Mutant(
+        "fa-lse-cotangent",
+        FA,
+        "delta = delta - dlse.astype(jnp.float32)",
+        "delta = delta + dlse.astype(jnp.float32)",
+        (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
+        "backward: logsumexp cotangent folded in with the wrong sign",
+    ),
+    Mutant(
+        "fa-subtile-last",
+        FA_SCHED,
+        "c_hi = xp.minimum(((hi - kf) >> shift) + 1, geom.block_kv // ck)",
+        "c_hi = xp.minimum(((hi - kf) >> shift), geom.block_kv // ck)",
+        (f"{T_FA}::test_sub_tiles_cover_exactly_the_visible_ones",),
+        "schedule: last visible sub-tile of a masked pair skipped",
+    ),
+    Mutant(
+        "fa-varlen-segments",
+        FA,
+        'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="right") - 1, 0, cu_k.shape[0] - 2)',
+        'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="left") - 1, 0, cu_k.shape[0] - 2)',
+        (f"{T_FA}::test_varlen_many_sequences_some_empty",),
+        "varlen: first key of each sequence assigned to the previous one",
+    ),
     # -- bindings ---------------------------------------------------------------------
-    Mutant("tb-bf16-view", f"{TB}/convert.py",
-           "return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)",
-           "return t.view(torch.float16).numpy()",
-           (f"{T_RMS_OP}::test_forward_and_grads_match_torch[interpret]",),
-           "bindings: bf16 tensors reinterpreted as f16 (wrong cast)"),
-    Mutant("tb-jit-cache-key", f"{TB}/op.py",
-           "key = (impl, statics)",
-           "key = (impl,)",
-           (f"{T_TB}::test_jit_cache_is_keyed_by_static_arguments",),
-           "bindings: compiled functions cached without their static arguments"),
-    Mutant("tb-optional-grad", f"{TB}/op.py",
-           "result[i] = None if args[i] is None else g",
-           "result[i] = g",
-           (f"{T_TB}::test_forward_and_autograd_with_optional_tensor",),
-           "bindings: a gradient returned for an absent optional tensor"),
-    Mutant("rd-op-offset", RD_OPS,
-           "return _jax_ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset,",
-           "return _jax_ragged_dot(lhs, rhs, group_sizes, group_offset=0,",
-           (f"{T_RD_OP}::test_group_offset_shards_sum_to_full_result",),
-           "binding: ragged_dot op drops group_offset"),
-    Mutant("fa-op-scale", FA_OPS,
-           "return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)",
-           "return 1.0 / math.sqrt(head_dim)",
-           (f"{T_FA_OP}::test_attention_forward_padding_masks_and_sinks[none]",),
-           "binding: softmax_scale ignored"),
+    Mutant(
+        "tb-bf16-view",
+        f"{TB}/convert.py",
+        "return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)",
+        "return t.view(torch.float16).numpy()",
+        (f"{T_RMS_OP}::test_forward_and_grads_match_torch[interpret]",),
+        "bindings: bf16 tensors reinterpreted as f16 (wrong cast)",
+    ),
+    Mutant(
+        "tb-jit-cache-key",
+        f"{TB}/op.py",
+        "key = (impl, statics)",
+        "key = (impl,)",
+        (f"{T_TB}::test_jit_cache_is_keyed_by_static_arguments",),
+        "bindings: compiled functions cached without their static arguments",
+    ),
+    Mutant(
+        "tb-optional-grad",
+        f"{TB}/op.py",
+        "result[i] = None if args[i] is None else g",
+        "result[i] = g",
+        (f"{T_TB}::test_forward_and_autograd_with_optional_tensor",),
+        "bindings: a gradient returned for an absent optional tensor",
+    ),
+    Mutant(
+        "rd-op-offset",
+        RD_OPS,
+        "        group_sizes,\n        group_offset=group_offset,\n        preferred_element_type=_OUT_DTYPES",
+        "        group_sizes,\n        group_offset=0,\n        preferred_element_type=_OUT_DTYPES",
+        (f"{T_RD_OP}::test_group_offset_shards_sum_to_full_result",),
+        "binding: ragged_dot op drops group_offset",
+    ),
+    Mutant(
+        "fa-op-scale",
+        FA_OPS,
+        "return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)",
+        "return 1.0 / math.sqrt(head_dim)",
+        (f"{T_FA_OP}::test_attention_forward_padding_masks_and_sinks[none]",),
+        "binding: softmax_scale ignored",
+    ),
 )
 
 
@@ -295,8 +423,10 @@ def check_mutants(root: Path = ROOT, mutants=MUTANTS) -> list[str]:
             continue
         n = path.read_text().count(m.original)
         if n != 1:
-            problems.append(f"{m.id}: original text occurs {n} times in {m.file} "
-                            f"(expected once): {m.original!r}")
+            problems.append(
+                f"{m.id}: original text occurs {n} times in {m.file} "
+                f"(expected once): {m.original!r}"
+            )
         if m.original == m.replacement:
             problems.append(f"{m.id}: replacement equals the original")
         if not m.tests:
@@ -312,8 +442,12 @@ def check_mutants(root: Path = ROOT, mutants=MUTANTS) -> list[str]:
 
 def copy_tree(dest: Path) -> None:
     """The working tree as git sees it (tracked and untracked-but-not-ignored files)."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         cwd=ROOT, check=True, capture_output=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout
     for rel in sorted(set(out.decode().split("\0")) - {""}):
         src = ROOT / rel
         if not src.exists() and not src.is_symlink():
@@ -326,8 +460,20 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dst)
 
 
-PYTEST_ARGS = ["-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "--no-header",
-               "-o", "addopts=--import-mode=importlib", "--tb=short", "-W", "ignore"]
+PYTEST_ARGS = [
+    "-x",
+    "-q",
+    "-p",
+    "no:randomly",
+    "-p",
+    "no:cacheprovider",
+    "--no-header",
+    "-o",
+    "addopts=--import-mode=importlib",
+    "--tb=short",
+    "-W",
+    "ignore",
+]
 
 
 def first_error(log: Path) -> str:
@@ -343,8 +489,11 @@ def first_error(log: Path) -> str:
 
 def _child_env(tree: Path) -> dict:
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"), HYPOTHESIS_PROFILE="mutants",
-               PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
+        HYPOTHESIS_PROFILE="mutants",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     return env
 
 
@@ -362,8 +511,7 @@ def _run_fork(tree: Path, tests, timeout: float, log: Path) -> int:
             sys.dont_write_bytecode = True
             # Drop this script's folder and the checkout root (the copy's conftest
             # adds the copy's own folders); keep the environment's site-packages.
-            sys.path[:] = [p for p in sys.path
-                           if p not in ("", str(ROOT), str(ROOT / "scripts"))]
+            sys.path[:] = [p for p in sys.path if p not in ("", str(ROOT), str(ROOT / "scripts"))]
             import pytest
 
             code = int(pytest.main([*PYTEST_ARGS, *tests]))
@@ -390,9 +538,14 @@ def _run_fork(tree: Path, tests, timeout: float, log: Path) -> int:
 def _run_subprocess(tree: Path, tests, timeout: float, log: Path) -> int:
     with open(log, "w") as f:
         try:
-            return subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests], cwd=tree,
-                                  env=_child_env(tree), stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
+            return subprocess.run(
+                [sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests],
+                cwd=tree,
+                env=_child_env(tree),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            ).returncode
         except subprocess.TimeoutExpired:
             return -9
 
@@ -418,8 +571,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated mutant ids")
     ap.add_argument("--check", action="store_true", help="verify the list only")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit")
-    ap.add_argument("--no-baseline", action="store_true",
-                    help="skip the run of the selected tests on the unmodified copy")
+    ap.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the run of the selected tests on the unmodified copy",
+    )
     ap.add_argument("--no-fork", action="store_true", help="one subprocess per test run")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy and logs")
@@ -440,8 +596,7 @@ def main(argv=None) -> int:
     if problems:
         print("mutant list is out of date with the code:", *problems, sep="\n  ")
         return 2
-    print(f"{len(mutants)} mutants well-formed "
-          f"({len({m.file for m in mutants})} files)")
+    print(f"{len(mutants)} mutants well-formed ({len({m.file for m in mutants})} files)")
     if args.check:
         return 0
 
@@ -461,9 +616,12 @@ def main(argv=None) -> int:
             t0, c0 = time.monotonic(), _children_cpu()
             rc = run(tree, selected, args.timeout * 3, logs / "baseline.log")
             secs, cpu = time.monotonic() - t0, _children_cpu() - c0
-            print(f"baseline: {len(selected)} test selections on the unmodified tree: "
-                  f"{'pass' if rc == 0 else f'FAIL (rc {rc})'} in {secs:.0f} s "
-                  f"({cpu:.0f} s CPU)", flush=True)
+            print(
+                f"baseline: {len(selected)} test selections on the unmodified tree: "
+                f"{'pass' if rc == 0 else f'FAIL (rc {rc})'} in {secs:.0f} s "
+                f"({cpu:.0f} s CPU)",
+                flush=True,
+            )
             if rc != 0:
                 print((logs / "baseline.log").read_text()[-4000:])
                 print("baseline failed: the mutants would prove nothing")
@@ -503,11 +661,15 @@ def main(argv=None) -> int:
     print("| id | file | planted bug | result | wall s | CPU s |")
     print("|---|---|---|---|---|---|")
     for m, result, secs, cpu in rows:
-        print(f"| {m.id} | {m.file.split('/')[-1]} | {m.what} | {result} | {secs:.0f} | {cpu:.0f} |")
+        print(
+            f"| {m.id} | {m.file.split('/')[-1]} | {m.what} | {result} | {secs:.0f} | {cpu:.0f} |"
+        )
     caught = sum(r.startswith("caught") for _, r, _, _ in rows)
     cpu_total = _children_cpu() - cpu_start
-    print(f"\n{caught}/{len(rows)} mutants caught; total {total / 60:.1f} min wall, "
-          f"{cpu_total / 60:.1f} min CPU in the test runs")
+    print(
+        f"\n{caught}/{len(rows)} mutants caught; total {total / 60:.1f} min wall, "
+        f"{cpu_total / 60:.1f} min CPU in the test runs"
+    )
     return 1 if failed else 0
 
 

@@ -65,7 +65,9 @@ def read_kernel(folder: Path, org: str | None) -> KernelSource:
     repo_id = general["hub"]["repo-id"]
     if org:
         repo_id = f"{org}/{repo_id.split('/', 1)[1]}"
-    return KernelSource(folder, general["name"], int(general["version"]), general["license"], repo_id)
+    return KernelSource(
+        folder, general["name"], int(general["version"]), general["license"], repo_id
+    )
 
 
 def selected_kernels(org: str | None, only: str | None, root: Path = ROOT) -> list[KernelSource]:
@@ -112,7 +114,9 @@ def build_variant(kernel: KernelSource, variant_dir: Path, backend: str) -> dict
         "backend": {"type": backend},
     }
     metadata["digest"] = {"algorithm": "sha256", "files": variant_digest(variant_dir)}
-    (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    (variant_dir / "metadata.json").write_text(
+        json.dumps(metadata, indent=2, sort_keys=True) + "\n"
+    )
     return metadata
 
 
@@ -163,9 +167,21 @@ def upload_plan(kernel: KernelSource, repo: Path) -> list[Operation]:
         Operation("create_repo", kernel.repo_id, "repo_type=kernel, exist_ok"),
         Operation("upload_card", kernel.repo_id, "main: README.md, build.toml"),
         Operation("create_branch", kernel.repo_id, f"{branch} (exist_ok)"),
-        Operation("upload_build", kernel.repo_id, f"{branch}: {len(build_files)} files: " + ", ".join(build_files)),
-        Operation("delete_stale", kernel.repo_id, f"{branch}: files under build/{{{','.join(variants)}}}/ and benchmarks/ not in this build"),
-        Operation("verify", kernel.repo_id, f"{branch}: download every build file and check metadata.json digests"),
+        Operation(
+            "upload_build",
+            kernel.repo_id,
+            f"{branch}: {len(build_files)} files: " + ", ".join(build_files),
+        ),
+        Operation(
+            "delete_stale",
+            kernel.repo_id,
+            f"{branch}: files under build/{{{','.join(variants)}}}/ and benchmarks/ not in this build",
+        ),
+        Operation(
+            "verify",
+            kernel.repo_id,
+            f"{branch}: download every build file and check metadata.json digests",
+        ),
     ]
 
 
@@ -180,14 +196,22 @@ def _execute(op: Operation, kernel: KernelSource, repo: Path, api) -> None:
         api.create_repo(kernel.repo_id, repo_type="kernel", exist_ok=True)
     elif op.kind == "upload_card":
         for name in ("README.md", "build.toml"):
-            api.upload_file(path_or_fileobj=str(repo / name), path_in_repo=name,
-                            repo_id=kernel.repo_id, repo_type="kernel", revision="main")
+            api.upload_file(
+                path_or_fileobj=str(repo / name),
+                path_in_repo=name,
+                repo_id=kernel.repo_id,
+                repo_type="kernel",
+                revision="main",
+            )
     elif op.kind == "create_branch":
         api.create_branch(kernel.repo_id, branch=branch, repo_type="kernel", exist_ok=True)
     elif op.kind == "upload_build":
         variants = sorted(p.name for p in (repo / "build").iterdir())
         api.upload_folder(
-            folder_path=str(repo), repo_id=kernel.repo_id, repo_type="kernel", revision=branch,
+            folder_path=str(repo),
+            repo_id=kernel.repo_id,
+            repo_type="kernel",
+            revision=branch,
             allow_patterns=["build/**", "benchmarks/**"],
             # kernel-builder convention: an uploaded variant replaces the old one whole.
             delete_patterns=[f"build/{v}/**" for v in variants] + ["benchmarks/**"],
@@ -207,14 +231,18 @@ def verify_remote(kernel: KernelSource, repo: Path, api) -> None:
         variant = meta_path.parent.name
         meta = json.loads(meta_path.read_text())
         for rel, digest in meta["digest"]["files"].items():
-            local = hf_hub_download(kernel.repo_id, f"build/{variant}/{rel}", repo_type="kernel", revision=branch)
+            local = hf_hub_download(
+                kernel.repo_id, f"build/{variant}/{rel}", repo_type="kernel", revision=branch
+            )
             if file_digest(Path(local)) != digest:
                 raise SystemExit(f"digest mismatch after upload: build/{variant}/{rel}")
 
 
 def cmd_upload(args) -> int:
     if not args.allow_dirty and git_is_dirty():
-        raise SystemExit("refusing to upload from a dirty git tree (commit first, or pass --allow-dirty)")
+        raise SystemExit(
+            "refusing to upload from a dirty git tree (commit first, or pass --allow-dirty)"
+        )
     lib = read_library()
     out = Path(args.out).resolve()
     api = None
@@ -243,7 +271,9 @@ def main(argv=None) -> int:
         s.add_argument("--org", default=None, help="Hub organisation (default: build.toml's)")
         s.add_argument("--kernel", default=None, help="only this kernel (name or folder)")
     u.add_argument("--dry-run", action="store_true", help="print every operation; no network")
-    u.add_argument("--allow-dirty", action="store_true", help="upload even with uncommitted changes")
+    u.add_argument(
+        "--allow-dirty", action="store_true", help="upload even with uncommitted changes"
+    )
     args = p.parse_args(argv)
     return {"build": cmd_build, "upload": cmd_upload}[args.cmd](args)
 

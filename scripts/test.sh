@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 source scripts/env.sh
+# One style and no undefined names, before any test runs.
+ruff format --check --quiet . || { echo "test.sh: run 'ruff format .'" >&2; exit 1; }
+ruff check --quiet .
 set +e
 python -m pytest tests "$@"
 rc=$?

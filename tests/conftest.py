@@ -27,8 +27,12 @@ from hypothesis import Phase, settings  # noqa: E402
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=12, print_blob=True)
 # scripts/mutants.py: the same examples, but a failure ends the test at once
 # (no shrinking, no example database): it only needs to know that one fails.
-settings.register_profile("mutants", parent=settings.get_profile("ci"), database=None,
-                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.register_profile(
+    "mutants",
+    parent=settings.get_profile("ci"),
+    database=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -42,12 +46,17 @@ def published(tmp_path_factory):
     import tomllib
 
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "publish.py"), "build", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     lib = tomllib.loads((ROOT / "build.toml").read_text())["library"]
     repos = {}
     for folder in lib["kernels"]:
-        name = tomllib.loads((ROOT / "kernels" / folder / "build.toml").read_text())["general"]["name"]
+        name = tomllib.loads((ROOT / "kernels" / folder / "build.toml").read_text())["general"][
+            "name"
+        ]
         repos[name] = out / name
     return repos
 

@@ -82,12 +82,17 @@ def pallas_launches(fn, args) -> list[str]:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 p = eqn.params
-                text = "|".join([str(p["jaxpr"]), str(p["grid_mapping"]),
-                                 str(p.get("compiler_params")),
-                                 ";".join(str(v.aval) for v in eqn.invars)])
+                text = "|".join(
+                    [
+                        str(p["jaxpr"]),
+                        str(p["grid_mapping"]),
+                        str(p.get("compiler_params")),
+                        ";".join(str(v.aval) for v in eqn.invars),
+                    ]
+                )
                 found.append(hashlib.sha1(text.encode()).hexdigest())
             for v in eqn.params.values():
-                for j in (v if isinstance(v, (list, tuple)) else (v,)):
+                for j in v if isinstance(v, (list, tuple)) else (v,):
                     if isinstance(j, jax_core.ClosedJaxpr):
                         walk(j.jaxpr)
                     elif isinstance(j, jax_core.Jaxpr):
@@ -123,13 +128,22 @@ def _run_point(module_file: str, point) -> PointResult:
             theirs = set(pallas_launches(prog.covered_by.fn, prog.covered_by.args))
             missing = [s for s in mine if s not in theirs]
             ok = bool(mine) and not missing
-            err = None if ok else f"{len(missing)} of {len(mine)} launches not in the covering program"
+            err = (
+                None
+                if ok
+                else f"{len(missing)} of {len(mine)} launches not in the covering program"
+            )
             return PointResult(ok, err, time.process_time() - c0, time.monotonic() - t0, False)
         res = try_tpu_compile(prog.fn, prog.args, prog.generation)
         return PointResult(res.ok, res.error, time.process_time() - c0, time.monotonic() - t0, True)
     except Exception as e:  # noqa: BLE001 - tiling raises before any compile
-        return PointResult(False, f"{type(e).__name__}: {e}"[:2000], time.process_time() - c0,
-                           time.monotonic() - t0, False)
+        return PointResult(
+            False,
+            f"{type(e).__name__}: {e}"[:2000],
+            time.process_time() - c0,
+            time.monotonic() - t0,
+            False,
+        )
 
 
 class CompilePool:
@@ -144,8 +158,12 @@ class CompilePool:
 
         n = workers or int(os.environ.get("GATE_WORKERS", 0)) or min(4, os.cpu_count() or 1)
         self.started = time.monotonic()
-        self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker, initargs=(list(sys.path),))
+        self.pool = ProcessPoolExecutor(
+            n,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(list(sys.path),),
+        )
         self.futures = {}
         self.workers = n
         self.add(keyed_points)
@@ -166,13 +184,18 @@ class CompilePool:
         return r
 
     def summary(self) -> str:
-        done = [f.result() for f in self.futures.values() if f.done() and not f.cancelled()
-                and f.exception() is None]
+        done = [
+            f.result()
+            for f in self.futures.values()
+            if f.done() and not f.cancelled() and f.exception() is None
+        ]
         compiled = [r for r in done if r.compiled]
-        return (f"{len(done)} points: {len(compiled)} programs compiled, "
-                f"{len(done) - len(compiled)} checked as covered; "
-                f"{sum(r.cpu_s for r in done) / 60:.1f} min CPU in {self.workers} worker "
-                f"processes, pool open {(time.monotonic() - self.started) / 60:.1f} min")
+        return (
+            f"{len(done)} points: {len(compiled)} programs compiled, "
+            f"{len(done) - len(compiled)} checked as covered; "
+            f"{sum(r.cpu_s for r in done) / 60:.1f} min CPU in {self.workers} worker "
+            f"processes, pool open {(time.monotonic() - self.started) / 60:.1f} min"
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -185,8 +208,13 @@ _SESSION_POOL: CompilePool | None = None
 
 
 def gate_items(items) -> list:
-    return [i for i in items if getattr(i, "callspec", None) is not None
-            and "point" in i.callspec.params and hasattr(i.module, "gate_program")]
+    return [
+        i
+        for i in items
+        if getattr(i, "callspec", None) is not None
+        and "point" in i.callspec.params
+        and hasattr(i.module, "gate_program")
+    ]
 
 
 def start_session_pool(items) -> None:

@@ -82,20 +82,42 @@ def _save_tiny(family: str, path: Path) -> None:
     import torch
     import transformers as tf
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=64,
-                  initializer_range=0.2)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2,
-                                                         moe_intermediate_size=32, norm_topk_prob=True, **common))
+        model = tf.Qwen3MoeForCausalLM(
+            tf.Qwen3MoeConfig(
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+                **common,
+            )
+        )
     elif family == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common))
     elif family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif family == "gpt_oss":  # attention sinks + sliding window
-        model = tf.GptOssForCausalLM(tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                                                     layer_types=["sliding_attention", "full_attention"], **common))
+        model = tf.GptOssForCausalLM(
+            tf.GptOssConfig(
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"],
+                **common,
+            )
+        )
         for layer in model.model.layers:
             layer.self_attn.sinks.data.normal_(0.0, 1.0)
     else:
@@ -120,7 +142,10 @@ class FakeKernelHub:
         assert repo_type == "kernel", repo_type
         if repo_id not in self.repos:
             raise FileNotFoundError(f"fake hub: no repository {repo_id}")
-        if revision is not None and revision not in (self._commit(repo_id), f"v{self._version(repo_id)}"):
+        if revision is not None and revision not in (
+            self._commit(repo_id),
+            f"v{self._version(repo_id)}",
+        ):
             raise FileNotFoundError(f"fake hub: {repo_id} has no revision {revision}")
         return self.repos[repo_id]
 
@@ -142,15 +167,23 @@ class FakeKernelHub:
 
         self._repo(repo_id, repo_type)
         v = f"v{self._version(repo_id)}"
-        return GitRefs(branches=[GitRefInfo(name=v, ref=f"refs/heads/{v}", target_commit=self._commit(repo_id))],
-                       converts=[], tags=[])
+        return GitRefs(
+            branches=[
+                GitRefInfo(name=v, ref=f"refs/heads/{v}", target_commit=self._commit(repo_id))
+            ],
+            converts=[],
+            tags=[],
+        )
 
     def list_repo_tree(self, repo_id, path_in_repo=None, *, repo_type=None, revision=None, **_):
         from huggingface_hub.hf_api import RepoFolder
 
         base = self._repo(repo_id, repo_type, revision) / (path_in_repo or "")
-        return [RepoFolder(path=p.relative_to(self.repos[repo_id]).as_posix(), oid="0" * 40)
-                for p in sorted(base.iterdir()) if p.is_dir()]
+        return [
+            RepoFolder(path=p.relative_to(self.repos[repo_id]).as_posix(), oid="0" * 40)
+            for p in sorted(base.iterdir())
+            if p.is_dir()
+        ]
 
     def hf_hub_download(self, repo_id, filename, *, repo_type=None, revision=None, **_):
         path = self._repo(repo_id, repo_type, revision) / filename
@@ -162,14 +195,22 @@ class FakeKernelHub:
         return str(self._repo(repo_id, repo_type, revision))
 
     def __getattr__(self, name):
-        raise AssertionError(f"fake hub: kernels called HfApi.{name}, which the stand-in does not serve")
+        raise AssertionError(
+            f"fake hub: kernels called HfApi.{name}, which the stand-in does not serve"
+        )
 
 
 def install_fake_hub(hub: FakeKernelHub) -> None:
     """Every `kernels` module that holds `_get_hf_api` gets the stand-in; nothing else is patched."""
     import importlib
 
-    for name in ("kernels.hf_hub", "kernels.load", "kernels.install", "kernels.layer.layer", "kernels.layer.func"):
+    for name in (
+        "kernels.hf_hub",
+        "kernels.load",
+        "kernels.install",
+        "kernels.layer.layer",
+        "kernels.layer.func",
+    ):
         importlib.import_module(name)
     patched = 0
     for name, mod in list(sys.modules.items()):
@@ -200,7 +241,11 @@ def _reference_logits(model, ids, mask=None, **load_kwargs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(model.name_or_path, **load_kwargs).to(model.device).eval()
+    ref = (
+        AutoModelForCausalLM.from_pretrained(model.name_or_path, **load_kwargs)
+        .to(model.device)
+        .eval()
+    )
     with torch.no_grad():
         return ref(ids, attention_mask=mask).logits
 
@@ -277,8 +322,11 @@ def check_rmsnorm_functions(ns, ctx):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
 
     s_want = (x.float() + r.float()).to(torch.bfloat16)
-    for name, got, want in (("y", ns["y"], ref(x, w)), ("y_gemma", ns["y_gemma"], ref(x, 1 + w.float())),
-                            ("out", ns["out"], ref(s_want, w))):
+    for name, got, want in (
+        ("y", ns["y"], ref(x, w)),
+        ("y_gemma", ns["y_gemma"], ref(x, 1 + w.float())),
+        ("out", ns["out"], ref(s_want, w)),
+    ):
         assert got.shape == x.shape and got.dtype == torch.bfloat16 and got.device == x.device, name
         # one bf16 rounding of the f32 result: within one bf16 step (2^-8 relative)
         torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2.0**-8, msg=name)
@@ -292,7 +340,9 @@ def check_kernelize(ns, ctx):
     assert model.device.type == ctx["device"], model.device
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     mods = {m.forward.__func__.__module__ for m in norms}
-    assert norms and all(n.startswith("_rmsnorm_tpu_") and n.endswith(".layers") for n in mods), mods
+    assert norms and all(n.startswith("_rmsnorm_tpu_") and n.endswith(".layers") for n in mods), (
+        mods
+    )
     layers = sys.modules[next(iter(mods))]
     assert layers.__file__.startswith(ctx["repos"][ctx["org"] + "/rmsnorm-tpu"]), layers.__file__
     ids = _ids().to(model.device)
@@ -337,8 +387,14 @@ def run_document(spec: dict) -> list[dict]:
                 globals()[check](ns, ctx)
             results.append(dict(snippet=i, ok=True))
         except Exception as e:  # noqa: BLE001
-            results.append(dict(snippet=i, ok=False, error=f"{type(e).__name__}: {e}",
-                                trace=traceback.format_exc()[-4000:]))
+            results.append(
+                dict(
+                    snippet=i,
+                    ok=False,
+                    error=f"{type(e).__name__}: {e}",
+                    trace=traceback.format_exc()[-4000:],
+                )
+            )
     return results
 
 
@@ -359,7 +415,11 @@ def _org() -> str:
 
 
 def _doc_text(doc: str, published: dict) -> str:
-    return (ROOT / doc).read_text() if doc == "README.md" else (published[doc] / "README.md").read_text()
+    return (
+        (ROOT / doc).read_text()
+        if doc == "README.md"
+        else (published[doc] / "README.md").read_text()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -381,25 +441,50 @@ def test_every_snippet_is_declared_and_uses_only_substituted_or_served_ids(publi
     org = _org()
     for doc, checks in CHECKS.items():
         blocks = python_blocks(_doc_text(doc, published))
-        assert len(blocks) == len(checks), f"{doc}: {len(blocks)} python snippets, {len(checks)} checks declared"
+        assert len(blocks) == len(checks), (
+            f"{doc}: {len(blocks)} python snippets, {len(checks)} checks declared"
+        )
         for code in blocks:
             assert "{repo_id}" not in code and "{version}" not in code  # publish.py filled the card
             for quoted in _QUOTED_REPO.findall(code):
-                assert quoted in TINY_MODELS or quoted.startswith(org + "/"), f"{doc}: {quoted!r} is neither"
+                assert quoted in TINY_MODELS or quoted.startswith(org + "/"), (
+                    f"{doc}: {quoted!r} is neither"
+                )
 
 
 def _run(doc, mode, published, tiny, served, tmp_path) -> tuple[list[str], list[dict]]:
     snippets = python_blocks(_doc_text(doc, published))
-    spec = dict(doc=doc, mode=mode, snippets=snippets, checks=CHECKS[doc], tiny=tiny, repos=served, org=_org())
+    spec = dict(
+        doc=doc,
+        mode=mode,
+        snippets=snippets,
+        checks=CHECKS[doc],
+        tiny=tiny,
+        repos=served,
+        org=_org(),
+    )
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_KERNELS", "HF_HUB_OFFLINE", "PYTHONPATH")}
-    env.update(JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HOME=str(tmp_path / "hf_home"))
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path / "spec.json")], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=900)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_KERNELS", "HF_HUB_OFFLINE", "PYTHONPATH")
+    }
+    env.update(
+        JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tmp_path / "spec.json")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return snippets, json.loads(line[len("RESULTS "):])
+    return snippets, json.loads(line[len("RESULTS ") :])
 
 
 @pytest.mark.parametrize("doc", list(CHECKS))
@@ -417,7 +502,9 @@ def test_snippets_need_their_trust(doc, published, tiny, served, tmp_path):
     snippets, results = _run(doc, "untrusted", published, tiny, served, tmp_path)
     loaders = [i for i, c in enumerate(snippets) if any(r in c for r in served)]
     assert loaders, doc
-    assert [r["snippet"] for r in results] == loaders, "a kernel-loading snippet documents no trust argument"
+    assert [r["snippet"] for r in results] == loaders, (
+        "a kernel-loading snippet documents no trust argument"
+    )
     for r in results:
         assert not r["ok"] and "not from a trusted publisher" in r["error"], (doc, r)
 
@@ -425,10 +512,15 @@ def test_snippets_need_their_trust(doc, published, tiny, served, tmp_path):
 def test_substitutions_are_the_declared_ones(tiny):
     code = 'm = f("Qwen/Qwen3-8B", device_map="tpu")\nx = g(device="tpu", repo="tpu-kernels/rmsnorm-tpu")'
     out = substitute(code, tiny, "cpu")
-    assert out == (f'm = f({tiny["Qwen/Qwen3-8B"]!r}, device_map="cpu")\n'
-                   'x = g(device="cpu", repo="tpu-kernels/rmsnorm-tpu")')
+    assert out == (
+        f'm = f({tiny["Qwen/Qwen3-8B"]!r}, device_map="cpu")\n'
+        'x = g(device="cpu", repo="tpu-kernels/rmsnorm-tpu")'
+    )
     assert substitute(code, {}, "tpu") == code
-    assert strip_trust('get_kernel("a/b", version=1, trust_remote_code=["a/b"])') == ('get_kernel("a/b", version=1)', 1)
+    assert strip_trust('get_kernel("a/b", version=1, trust_remote_code=["a/b"])') == (
+        'get_kernel("a/b", version=1)',
+        1,
+    )
 
 
 def test_cards_declare_library_name_kernels(published):

@@ -25,14 +25,19 @@ def _clean_env(**extra):
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([*PUBLISH, "build", "--out", str(out), "--kernel", "rmsnorm"], check=True, cwd=ROOT)
+    subprocess.run(
+        [*PUBLISH, "build", "--out", str(out), "--kernel", "rmsnorm"], check=True, cwd=ROOT
+    )
     return out
 
 
 def test_kernels_folder_does_not_shadow_hf_kernels():
     out = subprocess.run(
         [sys.executable, "-c", "import kernels; kernels.get_kernel; print(kernels.__file__)"],
-        cwd=ROOT, capture_output=True, text=True, env=_clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
     )
     assert out.returncode == 0, out.stderr
     assert "site-packages" in out.stdout
@@ -54,7 +59,8 @@ def test_build_layout_and_metadata(dist):
         ids.add(meta["id"])
         # Digest covers every file but metadata.json, standard base64 of sha256.
         files = sorted(
-            p.relative_to(vdir).as_posix() for p in vdir.rglob("*")
+            p.relative_to(vdir).as_posix()
+            for p in vdir.rglob("*")
             if p.is_file() and p.name != "metadata.json" and "__pycache__" not in p.parts
         )
         assert sorted(meta["digest"]["files"]) == files
@@ -68,9 +74,19 @@ def test_build_layout_and_metadata(dist):
 
 
 def test_build_is_byte_identical(dist, tmp_path):
-    subprocess.run([*PUBLISH, "build", "--out", str(tmp_path), "--kernel", "rmsnorm"], check=True, cwd=ROOT)
-    a = {p.relative_to(dist).as_posix(): p.read_bytes() for p in (dist / "rmsnorm-tpu").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    b = {p.relative_to(tmp_path).as_posix(): p.read_bytes() for p in (tmp_path / "rmsnorm-tpu").rglob("*") if p.is_file()}
+    subprocess.run(
+        [*PUBLISH, "build", "--out", str(tmp_path), "--kernel", "rmsnorm"], check=True, cwd=ROOT
+    )
+    a = {
+        p.relative_to(dist).as_posix(): p.read_bytes()
+        for p in (dist / "rmsnorm-tpu").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    b = {
+        p.relative_to(tmp_path).as_posix(): p.read_bytes()
+        for p in (tmp_path / "rmsnorm-tpu").rglob("*")
+        if p.is_file()
+    }
     assert a == b
 
 
@@ -94,7 +110,10 @@ print(json.dumps({"name": k.__name__, "file": k.__file__, "err": err, "all": sor
 def test_get_kernel_loads_built_artifact_without_repo_code(dist, tmp_path):
     repo = dist / "rmsnorm-tpu"
     out = subprocess.run(
-        [sys.executable, "-c", LOAD_SCRIPT, str(repo)], cwd=tmp_path, capture_output=True, text=True,
+        [sys.executable, "-c", LOAD_SCRIPT, str(repo)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         env=_clean_env(LOCAL_KERNELS=f"{REPO}={repo}"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -123,16 +142,36 @@ print("ok")
 
 def test_two_builds_with_different_sources_load_side_by_side(dist, tmp_path):
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
-        ".venv", ".git", "dist", "results", "__pycache__", "tests", "bench"))
+    shutil.copytree(
+        ROOT,
+        src,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "dist", "results", "__pycache__", "tests", "bench"
+        ),
+    )
     init = src / "kernels" / "rmsnorm" / "rmsnorm_tpu" / "__init__.py"
     init.write_text(init.read_text() + '\nMARKER = "second build"\n')
     out2 = tmp_path / "dist2"
-    subprocess.run([sys.executable, str(src / "scripts" / "publish.py"), "build", "--out", str(out2),
-                    "--kernel", "rmsnorm"], check=True, cwd=src)
+    subprocess.run(
+        [
+            sys.executable,
+            str(src / "scripts" / "publish.py"),
+            "build",
+            "--out",
+            str(out2),
+            "--kernel",
+            "rmsnorm",
+        ],
+        check=True,
+        cwd=src,
+    )
     out = subprocess.run(
         [sys.executable, "-c", TWO_BUILDS, str(dist / "rmsnorm-tpu"), str(out2 / "rmsnorm-tpu")],
-        cwd=tmp_path, capture_output=True, text=True, env=_clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
@@ -140,14 +179,34 @@ def test_two_builds_with_different_sources_load_side_by_side(dist, tmp_path):
 
 def test_upload_dry_run_prints_plan_without_network(tmp_path):
     out = subprocess.run(
-        [*PUBLISH, "upload", "--org", "someone", "--kernel", "rmsnorm", "--dry-run", "--allow-dirty",
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, env=_clean_env(HF_HUB_OFFLINE="1", HF_TOKEN="hf_secret_do_not_print"),
+        [
+            *PUBLISH,
+            "upload",
+            "--org",
+            "someone",
+            "--kernel",
+            "rmsnorm",
+            "--dry-run",
+            "--allow-dirty",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_clean_env(HF_HUB_OFFLINE="1", HF_TOKEN="hf_secret_do_not_print"),
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     kinds = [l.split()[1] for l in lines if l.startswith("[dry-run]")]
-    assert kinds == ["create_repo", "upload_card", "create_branch", "upload_build", "delete_stale", "verify"]
+    assert kinds == [
+        "create_repo",
+        "upload_card",
+        "create_branch",
+        "upload_build",
+        "delete_stale",
+        "verify",
+    ]
     assert all("someone/rmsnorm-tpu" in l for l in lines if l.startswith("[dry-run]"))
     assert "branch" not in kinds and "v1:" in out.stdout
     assert "hf_secret_do_not_print" not in out.stdout + out.stderr
@@ -157,8 +216,13 @@ def test_upload_refuses_dirty_tree(tmp_path):
     probe = ROOT / "kernels" / "rmsnorm" / "dirty_probe.tmp"
     probe.write_text("x")
     try:
-        out = subprocess.run([*PUBLISH, "upload", "--dry-run", "--out", str(tmp_path)],
-                             cwd=ROOT, capture_output=True, text=True, env=_clean_env())
+        out = subprocess.run(
+            [*PUBLISH, "upload", "--dry-run", "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+        )
     finally:
         probe.unlink()
     assert out.returncode != 0

@@ -25,9 +25,13 @@ KERNELS_CLI = Path(sys.executable).with_name("kernels")
 def _workloads(script: Path) -> set[str]:
     """`Class.workload` for every benchmark_* method of every class in the script."""
     tree = ast.parse(script.read_text())
-    return {f"{c.name}.{f.name.removeprefix('benchmark_')}"
-            for c in tree.body if isinstance(c, ast.ClassDef)
-            for f in c.body if isinstance(f, ast.FunctionDef) and f.name.startswith("benchmark_")}
+    return {
+        f"{c.name}.{f.name.removeprefix('benchmark_')}"
+        for c in tree.body
+        if isinstance(c, ast.ClassDef)
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name.startswith("benchmark_")
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -36,9 +40,24 @@ def test_kernels_benchmark_runs_and_verifies(name, published, tmp_path):
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_KERNELS", "PYTHONPATH")}
     env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run([str(KERNELS_CLI), "benchmark", str(repo), "--iterations", "1", "--warmup", "0",
-                           "--output", str(out)], cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            str(KERNELS_CLI),
+            "benchmark",
+            str(repo),
+            "--iterations",
+            "1",
+            "--warmup",
+            "0",
+            "--output",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())["results"]
     want = _workloads(repo / "benchmarks" / "benchmark.py")
@@ -46,7 +65,9 @@ def test_kernels_benchmark_runs_and_verifies(name, published, tmp_path):
     assert {r["workload"] for r in results} == want
     # Every workload has a reference and matched it (None would mean "no verify_*").
     assert all(r.get("verified") is True for r in results), results
-    assert "Running" in proc.stderr and "on cpu" in proc.stderr  # no TPU here: the CPU path is timed
+    assert (
+        "Running" in proc.stderr and "on cpu" in proc.stderr
+    )  # no TPU here: the CPU path is timed
 
 
 def _load_script(repo: Path):
@@ -60,8 +81,11 @@ def _load_script(repo: Path):
 def _benchmark_class(mod):
     from kernels.benchmark import Benchmark
 
-    classes = [v for v in vars(mod).values()
-               if isinstance(v, type) and issubclass(v, Benchmark) and v.__module__ == mod.__name__]
+    classes = [
+        v
+        for v in vars(mod).values()
+        if isinstance(v, type) and issubclass(v, Benchmark) and v.__module__ == mod.__name__
+    ]
     assert len(classes) == 1, classes  # the mixin is not collected as a benchmark
     return classes[0]
 
@@ -85,17 +109,24 @@ def test_benchmark_uses_the_tpu_when_attached_and_waits_for_it(name, published, 
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: waits.append(1))
 
     # What kernels' runner does: instance.device = <device of the detected backend> ("cpu" on TPU hosts).
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: None
+    )
     inst = cls()
     inst.device = "cpu"
     assert inst.device == "cpu"
-    monkeypatch.setattr(torch.accelerator, "current_accelerator",
-                        lambda check_available=False: SimpleNamespace(type="tpu"))
+    monkeypatch.setattr(
+        torch.accelerator,
+        "current_accelerator",
+        lambda check_available=False: SimpleNamespace(type="tpu"),
+    )
     inst.device = "cpu"
     assert inst.device == "tpu"
 
     # Each timed call waits for the TPU (tensors stay on the host: there is no TPU here).
-    workloads = sorted(w.split(".", 1)[1] for w in _workloads(published[name] / "benchmarks" / "benchmark.py"))
+    workloads = sorted(
+        w.split(".", 1)[1] for w in _workloads(published[name] / "benchmarks" / "benchmark.py")
+    )
     for w in workloads:
         inst = cls()
         inst.device = "cpu"
@@ -139,7 +170,9 @@ def test_ragged_dot_reference_accepts_only_correct_roundings(published):
     mid = (up + down) / 2
     ref32 = torch.tensor([mid + 1e-6, 2.5850])
     err = torch.full_like(ref32, 1e-5)
-    assert torch.equal(mod._round_like_kernel(ref32, torch.stack([down, down]).to(bf), err),
-                       torch.stack([down, down]).to(bf))
+    assert torch.equal(
+        mod._round_like_kernel(ref32, torch.stack([down, down]).to(bf), err),
+        torch.stack([down, down]).to(bf),
+    )
     got = mod._round_like_kernel(ref32, torch.stack([up, up]).to(bf), err)
     assert got[0] == up.to(bf) and got[1] == down.to(bf)

@@ -32,12 +32,14 @@ def test_mutants_reach_every_kernel_direction_glue_and_bindings():
     mod = _load()
     files = {m.file for m in mod.MUTANTS}
     assert len(mod.MUTANTS) >= 25
-    for required in ("kernels/rmsnorm/rmsnorm_tpu/kernel.py",
-                     "kernels/ragged_dot/ragged_dot_tpu/gmm.py",
-                     "kernels/ragged_dot/ragged_dot_tpu/tgmm.py",
-                     "kernels/flash_attention/flash_attention_tpu/flash_attention.py",
-                     "kernels/ragged_dot/ragged_dot_tpu/moe.py",
-                     "kernels/ragged_dot/ragged_dot_tpu/experts.py"):
+    for required in (
+        "kernels/rmsnorm/rmsnorm_tpu/kernel.py",
+        "kernels/ragged_dot/ragged_dot_tpu/gmm.py",
+        "kernels/ragged_dot/ragged_dot_tpu/tgmm.py",
+        "kernels/flash_attention/flash_attention_tpu/flash_attention.py",
+        "kernels/ragged_dot/ragged_dot_tpu/moe.py",
+        "kernels/ragged_dot/ragged_dot_tpu/experts.py",
+    ):
         assert required in files, f"no mutant in {required}"
     assert any(f.startswith("torch_bindings/") for f in files), "no mutant in torch_bindings/"
     # Forward and backward of every kernel: the original text's function.

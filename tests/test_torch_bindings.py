@@ -1,7 +1,6 @@
 """torch_bindings on a toy Pallas kernel: op definition, devices, caching, autograd, compile."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 import torch
 from jax.experimental import pallas as pl
@@ -19,7 +18,9 @@ def scale_shift(x, w, b, alpha: float, *, interpret: bool):
     @jax.custom_vjp
     def f(x, w):
         return pl.pallas_call(
-            _scale_shift_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret
+            _scale_shift_kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            interpret=interpret,
         )(x, w)
 
     def fwd(x, w):
@@ -45,8 +46,11 @@ def lib(tmp_path_factory):
     (pkg / "a.py").write_text("x = 1\n")
     lib = OpLibrary("toy", pkg)
     lib.scale_shift = lib.define_differentiable(
-        "scale_shift", "(Tensor x, Tensor w, Tensor? b, float alpha) -> Tensor",
-        kernel=scale_shift, reference=scale_shift_ref, differentiable=("x", "w", "b"),
+        "scale_shift",
+        "(Tensor x, Tensor w, Tensor? b, float alpha) -> Tensor",
+        kernel=scale_shift,
+        reference=scale_shift_ref,
+        differentiable=("x", "w", "b"),
     )
     return lib
 
@@ -73,7 +77,7 @@ def test_forward_and_autograd_with_optional_tensor(lib, impl):
         y = lib.scale_shift(x, w, b, 0.5)
         gx, gw, gb = torch.autograd.grad(y.sin().sum(), (x, w, b))
         y2 = lib.scale_shift(x, w, None, 2.0)
-        gx2, = torch.autograd.grad(y2.sum(), (x,))
+        (gx2,) = torch.autograd.grad(y2.sum(), (x,))
     torch.testing.assert_close(y, 0.5 * x * w + b)
     torch.testing.assert_close(gx, torch.cos(y) * 0.5 * w)
     torch.testing.assert_close(gw, torch.cos(y) * 0.5 * x)
@@ -119,9 +123,13 @@ def test_jit_cache_is_keyed_by_static_arguments(lib):
 def test_same_source_loaded_twice_reuses_registration(tmp_path):
     (tmp_path / "a.py").write_text("y = 1\n")
     a = OpLibrary("twice", tmp_path)
-    op_a = a.define("f", "(Tensor x) -> Tensor", kernel=lambda x, *, interpret: x + 1, reference=lambda x: x + 1)
+    op_a = a.define(
+        "f", "(Tensor x) -> Tensor", kernel=lambda x, *, interpret: x + 1, reference=lambda x: x + 1
+    )
     b = OpLibrary("twice", tmp_path)
-    op_b = b.define("f", "(Tensor x) -> Tensor", kernel=lambda x, *, interpret: x + 1, reference=lambda x: x + 1)
+    op_b = b.define(
+        "f", "(Tensor x) -> Tensor", kernel=lambda x, *, interpret: x + 1, reference=lambda x: x + 1
+    )
     assert a.namespace == b.namespace and op_a.op is op_b.op
     torch.testing.assert_close(op_b(torch.zeros(2)), torch.ones(2))
 
@@ -134,7 +142,9 @@ def test_typed_function_for_torch_tpu_matches_schema(lib):
     assert list(sig.parameters) == ["x", "w", "b", "alpha"]
     assert sig.parameters["alpha"].annotation is float
     assert sig.return_annotation is jax.Array
-    out = lib.scale_shift.tpu_op()(torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta"), None, 1.0)
+    out = lib.scale_shift.tpu_op()(
+        torch.empty(2, 3, device="meta"), torch.empty(2, 3, device="meta"), None, 1.0
+    )
     assert out.shape == (2, 3)
 
 

@@ -65,8 +65,14 @@ def test_topology_device_matches_table_and_detection(generation):
 
 def test_generation_of_kind():
     kinds = {
-        "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
-        "TPU7x": "tpu7x", "TPU7": "tpu7x", "TPU v5": "v5p", "TPU v5p": "v5p",
+        "TPU v5 lite": "v5e",
+        "TPU v5e": "v5e",
+        "TPU v6 lite": "v6e",
+        "TPU v6e": "v6e",
+        "TPU7x": "tpu7x",
+        "TPU7": "tpu7x",
+        "TPU v5": "v5p",
+        "TPU v5p": "v5p",
         "TPU v4": "tpu7x",  # unknown: the smallest VMEM any table plans for
     }
     for kind, gen in kinds.items():
@@ -114,8 +120,8 @@ def test_clock_assumptions_follow_the_stated_derivation():
         f = tpu_info.facts(g)
         assert f.clock_hz == pytest.approx(
             f.compiler_bf16_flops_per_s
-            / (f.tensor_cores_per_device * f.num_mxus * f.mxu_width ** 2 * 2
-               * f.mxu_rows_per_cycle))
+            / (f.tensor_cores_per_device * f.num_mxus * f.mxu_width**2 * 2 * f.mxu_rows_per_cycle)
+        )
         assert f.clock_hz / 1e9 == pytest.approx(ghz, abs=0.01)
 
 
@@ -171,8 +177,10 @@ def test_ragged_dot_tiling_uses_the_shared_facts_and_budget():
         assert gen.hbm_bytes_per_s == f.hbm_bytes_per_s
         assert gen.peak_flops == f.bf16_flops_per_s
         assert gen.chunk_m == f.mxu_width
-        for cfg in (tiling.gmm_config(64, 2048, 1536, 128, jnp.bfloat16, generation=g),
-                    tiling.tgmm_config(4096, 2048, 1536, 128, jnp.bfloat16, generation=g)):
+        for cfg in (
+            tiling.gmm_config(64, 2048, 1536, 128, jnp.bfloat16, generation=g),
+            tiling.tgmm_config(4096, 2048, 1536, 128, jnp.bfloat16, generation=g),
+        ):
             assert cfg.vmem_limit_bytes == tpu_info.vmem_limit_bytes(g)
     assert tiling.STEP_OVERHEAD_S == tpu_info.GRID_STEP_OVERHEAD_S
 

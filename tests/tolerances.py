@@ -65,8 +65,9 @@ def bound(expected, *, out_dtype, dtype=None, magnitude=None, roundings: float =
     return u_out * np.abs(e) + (roundings * u + F32_SLACK) * mag
 
 
-def assert_close(actual, expected, *, dtype=None, magnitude=None, roundings: float = 0,
-                 what: str = "") -> float:
+def assert_close(
+    actual, expected, *, dtype=None, magnitude=None, roundings: float = 0, what: str = ""
+) -> float:
     """Asserts the bound element by element; returns the largest error/bound ratio.
 
     actual: the kernel's result (its dtype is the output dtype); expected: the
@@ -84,8 +85,13 @@ def assert_close(actual, expected, *, dtype=None, magnitude=None, roundings: flo
     if magnitude is not None:
         magnitude = np.broadcast_to(as_f32(magnitude), e.shape)
         magnitude = np.where(fin, magnitude, 0.0)
-    b = bound(np.where(fin, e, 0.0), out_dtype=out_dtype, dtype=dtype, magnitude=magnitude,
-              roundings=roundings)
+    b = bound(
+        np.where(fin, e, 0.0),
+        out_dtype=out_dtype,
+        dtype=dtype,
+        magnitude=magnitude,
+        roundings=roundings,
+    )
     err = np.where(fin, np.abs(a - np.where(fin, e, 0.0)), 0.0)
     bad = err > b
     if bad.any():
@@ -95,7 +101,8 @@ def assert_close(actual, expected, *, dtype=None, magnitude=None, roundings: flo
             f"{what}: {int(bad.sum())} of {e.size} elements exceed the per-element bound "
             f"({out_dtype} out, {roundings} roundings to {_dtype_name(dtype or out_dtype)}); "
             f"worst at {i}: actual {a[i]!r}, expected {e[i]!r}, error {err[i]:.3g}, "
-            f"bound {b[i]:.3g}")
+            f"bound {b[i]:.3g}"
+        )
     ok = b > 0
     return float(np.max(err[ok] / b[ok])) if ok.any() else 0.0
 

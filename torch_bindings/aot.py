@@ -25,9 +25,7 @@ def topology_device(generation: str):
     from jax.experimental import topologies
 
     if generation not in TOPOLOGIES:
-        raise ValueError(
-            f"generation: expected one of {sorted(TOPOLOGIES)}, got {generation!r}"
-        )
+        raise ValueError(f"generation: expected one of {sorted(TOPOLOGIES)}, got {generation!r}")
     return topologies.get_topology_desc(TOPOLOGIES[generation], platform="tpu").devices[0]
 
 
@@ -56,9 +54,7 @@ def tpu_compile(
     """Compiles fn(*args, **static_kwargs) for `generation`; returns the executable."""
     dev = topology_device(generation)
     sharding = jax.sharding.SingleDeviceSharding(dev)
-    placed = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args
-    ]
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     f = functools.partial(fn, **(static_kwargs or {}))
     for attempt in range(_RETRIES):
         try:

@@ -47,8 +47,14 @@ class JaxOp:
     Both JAX callables take the op's arguments positionally, in schema order.
     """
 
-    def __init__(self, library: "OpLibrary", name: str, schema: str,
-                 kernel: Callable[..., Any], reference: Callable[..., Any]):
+    def __init__(
+        self,
+        library: "OpLibrary",
+        name: str,
+        schema: str,
+        kernel: Callable[..., Any],
+        reference: Callable[..., Any],
+    ):
         self.library = library
         self.name = name
         self.qualname = f"{library.namespace}::{name}"
@@ -76,9 +82,11 @@ class JaxOp:
         self.op = getattr(ns_ops, name).default
 
     def __call__(self, *args):
-        if torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        ) or torch.compiler.is_compiling():
+        if (
+            torch.is_grad_enabled()
+            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            or torch.compiler.is_compiling()
+        ):
             return self.op(*args)
         # Nothing to differentiate: skip the Python autograd kernel that
         # register_autograd installs (~25 us per call of redispatch overhead).
@@ -103,7 +111,9 @@ class JaxOp:
 
     def _merge(self, tensors, statics):
         it_t, it_s = iter(tensors), iter(statics)
-        return [next(it_t) if i in self._tensor_idx else next(it_s) for i in range(len(self._kinds))]
+        return [
+            next(it_t) if i in self._tensor_idx else next(it_s) for i in range(len(self._kinds))
+        ]
 
     def _jitted(self, impl: str, statics: tuple):
         key = (impl, statics)
@@ -128,13 +138,12 @@ class JaxOp:
         avals = self._shape_cache.get(key)
         if avals is None:
             specs = [
-                None if t is None
+                None
+                if t is None
                 else jax.ShapeDtypeStruct(tuple(t.shape), convert.TORCH_TO_JAX_DTYPE[t.dtype])
                 for t in tensors
             ]
-            avals = jax.eval_shape(
-                lambda *ts: self.reference(*self._merge(ts, statics)), *specs
-            )
+            avals = jax.eval_shape(lambda *ts: self.reference(*self._merge(ts, statics)), *specs)
             self._shape_cache[key] = avals
 
         def empty(a):
@@ -160,8 +169,10 @@ class JaxOp:
                 name = f"{self.qualname}__tpu"
                 ns, short = name.split("::")
                 existing = getattr(getattr(torch.ops, ns), short, None)
-                self._tpu_op = existing.default if existing is not None else jax_op(
-                    name, self._typed_tpu_function()
+                self._tpu_op = (
+                    existing.default
+                    if existing is not None
+                    else jax_op(name, self._typed_tpu_function())
                 )
             return self._tpu_op
 
@@ -208,10 +219,12 @@ class OpLibrary:
         self.ops[name] = op
         return op
 
-    def define_differentiable(self, name: str, schema: str, *, kernel, reference,
-                              differentiable: tuple[str, ...]) -> JaxOp:
-        return _define_differentiable(self, name, schema, kernel=kernel, reference=reference,
-                                      differentiable=differentiable)
+    def define_differentiable(
+        self, name: str, schema: str, *, kernel, reference, differentiable: tuple[str, ...]
+    ) -> JaxOp:
+        return _define_differentiable(
+            self, name, schema, kernel=kernel, reference=reference, differentiable=differentiable
+        )
 
 
 def _vjp_function(fn, num_outputs: int, diff_idx: tuple[int, ...], arg_count: int):
@@ -243,8 +256,9 @@ def _vjp_function(fn, num_outputs: int, diff_idx: tuple[int, ...], arg_count: in
     return backward
 
 
-def _define_differentiable(self: "OpLibrary", name: str, schema: str, *, kernel, reference,
-                           differentiable: tuple[str, ...]) -> JaxOp:
+def _define_differentiable(
+    self: "OpLibrary", name: str, schema: str, *, kernel, reference, differentiable: tuple[str, ...]
+) -> JaxOp:
     """Defines `name` and `name_backward`, and wires autograd between them.
 
     `differentiable` names the tensor arguments that get gradients. The
@@ -256,18 +270,25 @@ def _define_differentiable(self: "OpLibrary", name: str, schema: str, *, kernel,
     names, kinds = fwd._arg_names, fwd._kinds
     diff_idx = tuple(names.index(n) for n in differentiable)
     n_out = fwd._num_returns
-    args_sig = schema[schema.index("(") + 1: schema.rindex(") ->")]
+    args_sig = schema[schema.index("(") + 1 : schema.rindex(") ->")]
     ct_sig = ", ".join(f"Tensor _ct{i}" for i in range(n_out))
     rets = ", ".join("Tensor" for _ in diff_idx)
-    bwd_schema = f"({ct_sig}, {args_sig}) -> ({rets})" if len(diff_idx) > 1 else f"({ct_sig}, {args_sig}) -> Tensor"
+    bwd_schema = (
+        f"({ct_sig}, {args_sig}) -> ({rets})"
+        if len(diff_idx) > 1
+        else f"({ct_sig}, {args_sig}) -> Tensor"
+    )
     bwd = self.define(
-        f"{name}_backward", bwd_schema,
+        f"{name}_backward",
+        bwd_schema,
         kernel=_vjp_function(kernel, n_out, diff_idx, len(names)),
         reference=_vjp_function(reference, n_out, diff_idx, len(names)),
     )
 
     def setup_context(ctx, inputs, output):
-        tensor_pos = [i for i, k in enumerate(kinds) if k.endswith("tensor") and inputs[i] is not None]
+        tensor_pos = [
+            i for i, k in enumerate(kinds) if k.endswith("tensor") and inputs[i] is not None
+        ]
         ctx.save_for_backward(*(inputs[i] for i in tensor_pos))
         ctx.tensor_pos = tensor_pos
         ctx.inputs = [None if i in tensor_pos else a for i, a in enumerate(inputs)]
@@ -279,7 +300,9 @@ def _define_differentiable(self: "OpLibrary", name: str, schema: str, *, kernel,
         for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
             args[i] = t
         cts = [
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=args[ctx.tensor_pos[0]].device)
+            g
+            if g is not None
+            else torch.zeros(shape, dtype=dtype, device=args[ctx.tensor_pos[0]].device)
             for g, (shape, dtype) in zip(grads, ctx.out_meta)
         ]
         got = bwd(*cts, *args)
@@ -292,4 +315,3 @@ def _define_differentiable(self: "OpLibrary", name: str, schema: str, *, kernel,
     fwd.register_autograd(backward, setup_context)
     fwd.backward_op = bwd
     return fwd
-

@@ -123,8 +123,13 @@ class TpuFacts:
     @property
     def mxu_flops_per_cycle(self) -> int:
         """bf16 flops per clock of one device under the rows-per-cycle assumption."""
-        return (self.tensor_cores_per_device * self.num_mxus * self.mxu_width ** 2 * 2
-                * self.mxu_rows_per_cycle)
+        return (
+            self.tensor_cores_per_device
+            * self.num_mxus
+            * self.mxu_width**2
+            * 2
+            * self.mxu_rows_per_cycle
+        )
 
     @property
     def clock_hz(self) -> float:
@@ -153,43 +158,87 @@ class TpuFacts:
 
 TPUS = {
     "v5e": TpuFacts(
-        name="v5e", topology="v5e:1x1", chip_version="v5e", tensor_cores_per_device=1,
-        bf16_flops_per_s=197e12, int8_ops_per_s=394e12, fp8_flops_per_s=None,
-        hbm_bytes_per_s=820e9, hbm_capacity_bytes=17_200_000_000,
-        vmem_capacity_bytes=128 * MiB, default_scoped_vmem_bytes=16 * MiB,
-        num_mxus=4, mxu_width=128, mxu_rows_per_cycle=1,
-        compiler_bf16_flops_per_s=197e12, compiler_hbm_bytes_per_s=737.7e9,
+        name="v5e",
+        topology="v5e:1x1",
+        chip_version="v5e",
+        tensor_cores_per_device=1,
+        bf16_flops_per_s=197e12,
+        int8_ops_per_s=394e12,
+        fp8_flops_per_s=None,
+        hbm_bytes_per_s=820e9,
+        hbm_capacity_bytes=17_200_000_000,
+        vmem_capacity_bytes=128 * MiB,
+        default_scoped_vmem_bytes=16 * MiB,
+        num_mxus=4,
+        mxu_width=128,
+        mxu_rows_per_cycle=1,
+        compiler_bf16_flops_per_s=197e12,
+        compiler_hbm_bytes_per_s=737.7e9,
         note="cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 819 GB/s per chip (one TensorCore)",
     ),
     "v6e": TpuFacts(
-        name="v6e", topology="v6e:1x1", chip_version="v6e", tensor_cores_per_device=1,
-        bf16_flops_per_s=920e12, int8_ops_per_s=1840e12, fp8_flops_per_s=920e12,
-        hbm_bytes_per_s=1640e9, hbm_capacity_bytes=34_400_000_000,
-        vmem_capacity_bytes=128 * MiB, default_scoped_vmem_bytes=32 * MiB,
-        num_mxus=2, mxu_width=256, mxu_rows_per_cycle=2,
-        compiler_bf16_flops_per_s=918e12, compiler_hbm_bytes_per_s=1638e9,
+        name="v6e",
+        topology="v6e:1x1",
+        chip_version="v6e",
+        tensor_cores_per_device=1,
+        bf16_flops_per_s=920e12,
+        int8_ops_per_s=1840e12,
+        fp8_flops_per_s=920e12,
+        hbm_bytes_per_s=1640e9,
+        hbm_capacity_bytes=34_400_000_000,
+        vmem_capacity_bytes=128 * MiB,
+        default_scoped_vmem_bytes=32 * MiB,
+        num_mxus=2,
+        mxu_width=256,
+        mxu_rows_per_cycle=2,
+        compiler_bf16_flops_per_s=918e12,
+        compiler_hbm_bytes_per_s=1638e9,
         note="cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 1640 GB/s per chip (one TensorCore)",
     ),
     "tpu7x": TpuFacts(
-        name="tpu7x", topology="tpu7x:1x1x1", chip_version="7x", tensor_cores_per_device=1,
-        bf16_flops_per_s=1155e12, int8_ops_per_s=None, fp8_flops_per_s=2300e12,
-        hbm_bytes_per_s=3700e9, hbm_capacity_bytes=103_000_000_000,
-        vmem_capacity_bytes=64 * MiB, default_scoped_vmem_bytes=32 * MiB,
-        num_mxus=2, mxu_width=256, mxu_rows_per_cycle=2,
-        compiler_bf16_flops_per_s=996e12, compiler_hbm_bytes_per_s=3686e9,
-        note=("cloud.google.com/tpu/docs/tpu7x (Ironwood): 2307 TFLOP/s bf16, 7.37 TB/s "
-              "per chip = two TensorCores, each its own JAX device; measured copy "
-              "bandwidth ~3.21 TB/s per device (tpu-inference #3520)"),
+        name="tpu7x",
+        topology="tpu7x:1x1x1",
+        chip_version="7x",
+        tensor_cores_per_device=1,
+        bf16_flops_per_s=1155e12,
+        int8_ops_per_s=None,
+        fp8_flops_per_s=2300e12,
+        hbm_bytes_per_s=3700e9,
+        hbm_capacity_bytes=103_000_000_000,
+        vmem_capacity_bytes=64 * MiB,
+        default_scoped_vmem_bytes=32 * MiB,
+        num_mxus=2,
+        mxu_width=256,
+        mxu_rows_per_cycle=2,
+        compiler_bf16_flops_per_s=996e12,
+        compiler_hbm_bytes_per_s=3686e9,
+        note=(
+            "cloud.google.com/tpu/docs/tpu7x (Ironwood): 2307 TFLOP/s bf16, 7.37 TB/s "
+            "per chip = two TensorCores, each its own JAX device; measured copy "
+            "bandwidth ~3.21 TB/s per device (tpu-inference #3520)"
+        ),
     ),
     "v5p": TpuFacts(
-        name="v5p", topology="v5p:1x1x1", chip_version="v5p", tensor_cores_per_device=2,
-        bf16_flops_per_s=459e12, int8_ops_per_s=918e12, fp8_flops_per_s=None,
-        hbm_bytes_per_s=2460e9, hbm_capacity_bytes=103_000_000_000,
-        vmem_capacity_bytes=64 * MiB, default_scoped_vmem_bytes=16 * MiB,
-        num_mxus=4, mxu_width=128, mxu_rows_per_cycle=1,
-        compiler_bf16_flops_per_s=394e12, compiler_hbm_bytes_per_s=2350.4e9,
-        note=("cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2765 GB/s per chip (one "
-              "megacore device); JAX's table says 2460 GB/s"),
+        name="v5p",
+        topology="v5p:1x1x1",
+        chip_version="v5p",
+        tensor_cores_per_device=2,
+        bf16_flops_per_s=459e12,
+        int8_ops_per_s=918e12,
+        fp8_flops_per_s=None,
+        hbm_bytes_per_s=2460e9,
+        hbm_capacity_bytes=103_000_000_000,
+        vmem_capacity_bytes=64 * MiB,
+        default_scoped_vmem_bytes=16 * MiB,
+        num_mxus=4,
+        mxu_width=128,
+        mxu_rows_per_cycle=1,
+        compiler_bf16_flops_per_s=394e12,
+        compiler_hbm_bytes_per_s=2350.4e9,
+        note=(
+            "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 2765 GB/s per chip (one "
+            "megacore device); JAX's table says 2460 GB/s"
+        ),
     ),
 }
 assert tuple(TPUS) == GENERATIONS

@@ -82,6 +82,4 @@ def check_supported_device(name: str, t: torch.Tensor) -> None:
         # TorchTPU registers "tpu" as the PrivateUse1 backend name.
         _SUPPORTED_DEVICE_TYPES = ("cpu", "meta", torch._C._get_privateuse1_backend_name())
     if t.device.type not in _SUPPORTED_DEVICE_TYPES:
-        raise ValueError(
-            f"{name}: expected a tensor on tpu, cpu or meta, got device {t.device}"
-        )
+        raise ValueError(f"{name}: expected a tensor on tpu, cpu or meta, got device {t.device}")

@@ -47,102 +47,108 @@ import jax.numpy as jnp
 
 
 def group_sizes_from_offsets(offsets):
-  """`torch._grouped_mm` offsets (inclusive cumsum) -> ragged_dot sizes."""
-  return jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype))
+    """`torch._grouped_mm` offsets (inclusive cumsum) -> ragged_dot sizes."""
+    return jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype))
 
 
 def grouped_mm(inp, weight, offsets):
-  """`torch._grouped_mm(inp [S, K], weight [G, K, N], offs=offsets)` on TPU."""
-  return jax.lax.ragged_dot(inp.astype(weight.dtype), weight,
-                            group_sizes_from_offsets(offsets))
+    """`torch._grouped_mm(inp [S, K], weight [G, K, N], offs=offsets)` on TPU."""
+    return jax.lax.ragged_dot(inp.astype(weight.dtype), weight, group_sizes_from_offsets(offsets))
 
 
 def silu_gate(h, act=jax.nn.silu):
-  """`_default_apply_gate`: gate, up = h.chunk(2, -1); act(gate) * up, each
-  torch op rounding to h's dtype."""
-  gate, up = jnp.split(h, 2, axis=-1)
-  g = act(gate.astype(jnp.float32)).astype(h.dtype)
-  return (g.astype(jnp.float32) * up.astype(jnp.float32)).astype(h.dtype)
+    """`_default_apply_gate`: gate, up = h.chunk(2, -1); act(gate) * up, each
+    torch op rounding to h's dtype."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    g = act(gate.astype(jnp.float32)).astype(h.dtype)
+    return (g.astype(jnp.float32) * up.astype(jnp.float32)).astype(h.dtype)
 
 
-def experts_forward(hidden_states, gate_up_proj, down_proj, top_k_index,
-                    top_k_weights, *, is_transposed: bool = False,
-                    apply_gate=silu_gate):
-  """transformers' `grouped_mm_experts_forward` (no bias, gated, no EP).
+def experts_forward(
+    hidden_states,
+    gate_up_proj,
+    down_proj,
+    top_k_index,
+    top_k_weights,
+    *,
+    is_transposed: bool = False,
+    apply_gate=silu_gate,
+):
+    """transformers' `grouped_mm_experts_forward` (no bias, gated, no EP).
 
-  Weights in transformers' storage layout: [E, 2I, H] and [E, H, I] when
-  `is_transposed` is False (Qwen3-MoE, Mixtral, Gemma 4), [E, H, 2I] and
-  [E, I, H] when True (GPT-OSS).
-  """
-  num_tokens, hidden_dim = hidden_states.shape
-  num_top_k = top_k_index.shape[-1]
-  num_experts = gate_up_proj.shape[0]
+    Weights in transformers' storage layout: [E, 2I, H] and [E, H, I] when
+    `is_transposed` is False (Qwen3-MoE, Mixtral, Gemma 4), [E, H, 2I] and
+    [E, I, H] when True (GPT-OSS).
+    """
+    num_tokens, hidden_dim = hidden_states.shape
+    num_top_k = top_k_index.shape[-1]
+    num_experts = gate_up_proj.shape[0]
 
-  sample_weights = top_k_weights.reshape(-1)
-  expert_ids = top_k_index.reshape(-1).astype(jnp.int32)
-  s = expert_ids.shape[0]
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1).astype(jnp.int32)
+    s = expert_ids.shape[0]
 
-  # torch.sort(expert_ids): values and the permutation (not stable).
-  expert_ids_g, perm = jax.lax.sort(
-      (expert_ids, jnp.arange(s, dtype=jnp.int32)), num_keys=1,
-      is_stable=False)
-  selected_hidden_states_g = hidden_states[perm // num_top_k]
-  sample_weights_g = sample_weights[perm]
+    # torch.sort(expert_ids): values and the permutation (not stable).
+    expert_ids_g, perm = jax.lax.sort(
+        (expert_ids, jnp.arange(s, dtype=jnp.int32)), num_keys=1, is_stable=False
+    )
+    selected_hidden_states_g = hidden_states[perm // num_top_k]
+    sample_weights_g = sample_weights[perm]
 
-  # histc(int ids, bins=E, min=0, max=E-1), then cumsum(dtype=int32).
-  tokens_per_expert = jnp.zeros((num_experts,), jnp.int32).at[expert_ids_g].add(
-      1, mode="drop")
-  offsets = jnp.cumsum(tokens_per_expert, dtype=jnp.int32)
+    # histc(int ids, bins=E, min=0, max=E-1), then cumsum(dtype=int32).
+    tokens_per_expert = jnp.zeros((num_experts,), jnp.int32).at[expert_ids_g].add(1, mode="drop")
+    offsets = jnp.cumsum(tokens_per_expert, dtype=jnp.int32)
 
-  def linear(inp, weight):  # _grouped_linear
-    if is_transposed:
-      return grouped_mm(inp, weight, offsets)
-    return grouped_mm(inp, jnp.swapaxes(weight, -2, -1), offsets)
+    def linear(inp, weight):  # _grouped_linear
+        if is_transposed:
+            return grouped_mm(inp, weight, offsets)
+        return grouped_mm(inp, jnp.swapaxes(weight, -2, -1), offsets)
 
-  proj_out = linear(selected_hidden_states_g, gate_up_proj)
-  proj_out = apply_gate(proj_out)
-  proj_out = linear(proj_out, down_proj)
+    proj_out = linear(selected_hidden_states_g, gate_up_proj)
+    proj_out = apply_gate(proj_out)
+    proj_out = linear(proj_out, down_proj)
 
-  weighted_out = proj_out * sample_weights_g[:, None]
-  inv_perm = jnp.zeros_like(perm).at[perm].set(jnp.arange(s, dtype=perm.dtype))
-  weighted_out = weighted_out[inv_perm]
-  final = weighted_out.reshape(num_tokens, num_top_k, hidden_dim).sum(axis=1)
-  return final.astype(hidden_states.dtype)
-
+    weighted_out = proj_out * sample_weights_g[:, None]
+    inv_perm = jnp.zeros_like(perm).at[perm].set(jnp.arange(s, dtype=perm.dtype))
+    weighted_out = weighted_out[inv_perm]
+    final = weighted_out.reshape(num_tokens, num_top_k, hidden_dim).sum(axis=1)
+    return final.astype(hidden_states.dtype)
 
 
 def _storage(a, perm):
-  if isinstance(a, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(tuple(a.shape[p] for p in perm), a.dtype)
-  return jnp.transpose(a, perm)
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(tuple(a.shape[p] for p in perm), a.dtype)
+    return jnp.transpose(a, perm)
 
 
 def storage_args(x, w_gate_up, w_down, ids, weights, is_transposed: bool = False):
-  """The bench's inputs (weights [E, in, out]) as transformers holds them:
-  for `is_transposed=False` models gate_up_proj [E, 2I, H] and down_proj
-  [E, H, I] (the same layer). Works on ShapeDtypeStructs (the program's
-  parameter shapes for tracing and compiling) and on arrays."""
-  if not is_transposed:
-    w_gate_up, w_down = _storage(w_gate_up, (0, 2, 1)), _storage(w_down, (0, 2, 1))
-  return x, w_gate_up, w_down, ids, weights
+    """The bench's inputs (weights [E, in, out]) as transformers holds them:
+    for `is_transposed=False` models gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I] (the same layer). Works on ShapeDtypeStructs (the program's
+    parameter shapes for tracing and compiling) and on arrays."""
+    if not is_transposed:
+        w_gate_up, w_down = _storage(w_gate_up, (0, 2, 1)), _storage(w_down, (0, 2, 1))
+    return x, w_gate_up, w_down, ids, weights
 
 
 def bench_program(is_transposed: bool = False):
-  """fn(x, gate_up_proj, down_proj, top_k_index, top_k_weights) with the
-  weights in transformers' storage layout (`storage_args`): the compiled
-  program's weight parameters are then transformers' arrays, and the
-  `.transpose(-2, -1)` views are real transposes for XLA to deal with. (Giving
-  it the bench's [E, in, out] arrays and transposing twice would let XLA
-  cancel both; reshaping them to transformers' shape is not free on TPU,
-  whose tiled layouts make that reshape a copy.)"""
+    """fn(x, gate_up_proj, down_proj, top_k_index, top_k_weights) with the
+    weights in transformers' storage layout (`storage_args`): the compiled
+    program's weight parameters are then transformers' arrays, and the
+    `.transpose(-2, -1)` views are real transposes for XLA to deal with. (Giving
+    it the bench's [E, in, out] arrays and transposing twice would let XLA
+    cancel both; reshaping them to transformers' shape is not free on TPU,
+    whose tiled layouts make that reshape a copy.)"""
 
-  def fn(x, gate_up_proj, down_proj, ids, weights):
-    if not is_transposed and gate_up_proj.shape[-1] != x.shape[-1]:
-      raise ValueError(
-          "hf_grouped_mm takes transformers' weight layout (gate_up_proj "
-          f"[E, 2I, H], H={x.shape[-1]}), got {gate_up_proj.shape}: pass the "
-          "point's arguments through bench.registry.program_args(built, args)")
-    return experts_forward(x, gate_up_proj, down_proj, ids, weights,
-                           is_transposed=is_transposed)
+    def fn(x, gate_up_proj, down_proj, ids, weights):
+        if not is_transposed and gate_up_proj.shape[-1] != x.shape[-1]:
+            raise ValueError(
+                "hf_grouped_mm takes transformers' weight layout (gate_up_proj "
+                f"[E, 2I, H], H={x.shape[-1]}), got {gate_up_proj.shape}: pass the "
+                "point's arguments through bench.registry.program_args(built, args)"
+            )
+        return experts_forward(
+            x, gate_up_proj, down_proj, ids, weights, is_transposed=is_transposed
+        )
 
-  return fn
+    return fn

@@ -34,71 +34,87 @@ INTERPRET = False
 
 
 def _splash_modules():
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_kernel as sk, splash_attention_mask as sm)
-  return sk, sm
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+        splash_attention_mask as sm,
+    )
+
+    return sk, sm
 
 
 @functools.lru_cache(maxsize=None)
 def _jax_kernel(seq: int, q_heads: int, block: int, interpret: bool):
-  sk, sm = _splash_modules()
-  b = min(block, seq)
-  # backward blocks as MaxText sets them (fused dK/dV+dQ kernel), so the
-  # training direction runs too
-  sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                        block_kv_dkv=b, block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
-  mask = sm.MultiHeadMask(tuple(sm.CausalMask((seq, seq)) for _ in range(q_heads)))
-  # concrete mask tables even when first called under a trace (cached here)
-  with jax.ensure_compile_time_eval():
-    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1,
-                              block_sizes=sizes, interpret=interpret)
+    sk, sm = _splash_modules()
+    b = min(block, seq)
+    # backward blocks as MaxText sets them (fused dK/dV+dQ kernel), so the
+    # training direction runs too
+    sizes = sk.BlockSizes(
+        block_q=b,
+        block_kv=b,
+        block_kv_compute=b,
+        block_q_dkv=b,
+        block_kv_dkv=b,
+        block_kv_dkv_compute=b,
+        use_fused_bwd_kernel=True,
+    )
+    mask = sm.MultiHeadMask(tuple(sm.CausalMask((seq, seq)) for _ in range(q_heads)))
+    # concrete mask tables even when first called under a trace (cached here)
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha(
+            mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+        )
 
 
 def jax_splash(q, k, v, *, block: int = BLOCK):
-  """Causal GQA splash attention forward, [B, H, S, D] in and out."""
-  _, hq, s, d = q.shape
-  kernel = _jax_kernel(s, hq, block, INTERPRET)
-  qs = q * jnp.asarray(d ** -0.5, q.dtype)
-  return jax.vmap(kernel)(qs, k, v)
+    """Causal GQA splash attention forward, [B, H, S, D] in and out."""
+    _, hq, s, d = q.shape
+    kernel = _jax_kernel(s, hq, block, INTERPRET)
+    qs = q * jnp.asarray(d**-0.5, q.dtype)
+    return jax.vmap(kernel)(qs, k, v)
 
 
 def torch_tpu_version() -> str:
-  import importlib.metadata as md
+    import importlib.metadata as md
 
-  return md.version("torch-tpu")
+    return md.version("torch-tpu")
 
 
 @functools.lru_cache(maxsize=None)
 def _torch_tpu_fn(seq: int, q_heads: int, kv_heads: int, interpret: bool):
-  from torch_tpu._internal.ops import splash_attention as ts
+    from torch_tpu._internal.ops import splash_attention as ts
 
-  sk = ts.splash_attention_kernel
-  make = sk.make_splash_mha, sk.make_splash_mqa
-  if interpret:  # torch_tpu has no switch: its kernel factory gets one
-    sk.make_splash_mha = functools.partial(make[0], interpret=True)
-    sk.make_splash_mqa = functools.partial(make[1], interpret=True)
-  try:
-    # splash_sdpa's defaults (blocks 512, fused bwd, HEAD_DIM_MINOR layouts);
-    # concrete mask tables even when first called under a trace (cached here)
-    with jax.ensure_compile_time_eval():
-      fwd, _ = ts._make_splash_attention_fn(  # pylint: disable=protected-access
-          seq_len=seq, n_heads=q_heads, n_kv_heads=kv_heads, scale=None,
-          is_causal=True, local_window_size=None)
-  finally:
-    sk.make_splash_mha, sk.make_splash_mqa = make
-  return fwd
+    sk = ts.splash_attention_kernel
+    make = sk.make_splash_mha, sk.make_splash_mqa
+    if interpret:  # torch_tpu has no switch: its kernel factory gets one
+        sk.make_splash_mha = functools.partial(make[0], interpret=True)
+        sk.make_splash_mqa = functools.partial(make[1], interpret=True)
+    try:
+        # splash_sdpa's defaults (blocks 512, fused bwd, HEAD_DIM_MINOR layouts);
+        # concrete mask tables even when first called under a trace (cached here)
+        with jax.ensure_compile_time_eval():
+            fwd, _ = ts._make_splash_attention_fn(  # pylint: disable=protected-access
+                seq_len=seq,
+                n_heads=q_heads,
+                n_kv_heads=kv_heads,
+                scale=None,
+                is_causal=True,
+                local_window_size=None,
+            )
+    finally:
+        sk.make_splash_mha, sk.make_splash_mqa = make
+    return fwd
 
 
 def torch_tpu_splash(q, k, v):
-  """What `torch.tpu.splash_sdpa(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)`
-  runs on the TPU, [B, H, S, D] in and out."""
-  _, hq, s, _ = q.shape
-  hkv = k.shape[1]
-  if hkv == 1:  # MQA: the kernel takes squeezed K/V
-    k, v = k[:, 0], v[:, 0]
-  elif hkv != hq:  # GQA: k.repeat_interleave(group, dim=1)
-    k = jnp.repeat(k, hq // hkv, axis=1)
-    v = jnp.repeat(v, hq // hkv, axis=1)
-    hkv = hq
-  out, _lse = _torch_tpu_fn(s, hq, hkv, INTERPRET)(q, k, v)
-  return out.astype(q.dtype)
+    """What `torch.tpu.splash_sdpa(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)`
+    runs on the TPU, [B, H, S, D] in and out."""
+    _, hq, s, _ = q.shape
+    hkv = k.shape[1]
+    if hkv == 1:  # MQA: the kernel takes squeezed K/V
+        k, v = k[:, 0], v[:, 0]
+    elif hkv != hq:  # GQA: k.repeat_interleave(group, dim=1)
+        k = jnp.repeat(k, hq // hkv, axis=1)
+        v = jnp.repeat(v, hq // hkv, axis=1)
+        hkv = hq
+    out, _lse = _torch_tpu_fn(s, hq, hkv, INTERPRET)(q, k, v)
+    return out.astype(q.dtype)

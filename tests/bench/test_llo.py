@@ -26,200 +26,225 @@ HBM = llo.HbmModel(bytes_per_cycle=100.0, latency_cycles=50.0)
 
 
 def _bundle(addr, body, mark="", depth=0, regions=""):
-  tail = f" /* {regions} */" if regions else ""
-  return f"  {addr:#x} {mark}: {'>' * depth} {{ {body} }}{tail}"
+    tail = f" /* {regions} */" if regions else ""
+    return f"  {addr:#x} {mark}: {'>' * depth} {{ {body} }}{tail}"
 
 
 def _loop_program(delay_pad: int) -> str:
-  """Counts s3 up to smem[2] (read from operand 0) in a 3-bundle loop body."""
-  lines = [
-      _bundle(0, "%s1_s0 = inlined_call_operand.hbm [shape: s32[8], index: 0, kind: input, "
-              "shape index: {}]  ;;  %s2_s1 = smov.u32 [#allocation3]"),
-      _bundle(1, "%3 = dma.hbm_to_smem /*hbm=*/%s1_s0, /*size_in_granules=*/1, "
-              "/*smem=*/%s2_s1, /*dst_syncflagno=*/[#allocation1]"),
-      _bundle(2, "%4 = dma.done.wait [#allocation1], 1"),
-      _bundle(3, "%s5_s2 = sld [smem:[#allocation3 + $0x2]]  ;;  %s6_s3 = smov.u32 0"),
-      _bundle(4, "%s7_s3 = sadd.s32 1, %s6_s3", "LB", 1, "Start region 5"),
-      _bundle(5, "%p8_p0 = scmp.ge.s32.totalorder %s7_s3, %s5_s2", "", 1),
-      _bundle(6, "%9 = sbr.rel (!%p8_p0) target = $region5", "", 1),
-  ]
-  addr = 7
-  for _ in range(delay_pad):
-    lines.append(_bundle(addr, "", "", 0))
-    addr += 1
-  lines.append(_bundle(addr, "%s10_s4 = smov.u32 (%p8_p0), 7"))
-  return "\n".join(lines)
+    """Counts s3 up to smem[2] (read from operand 0) in a 3-bundle loop body."""
+    lines = [
+        _bundle(
+            0,
+            "%s1_s0 = inlined_call_operand.hbm [shape: s32[8], index: 0, kind: input, "
+            "shape index: {}]  ;;  %s2_s1 = smov.u32 [#allocation3]",
+        ),
+        _bundle(
+            1,
+            "%3 = dma.hbm_to_smem /*hbm=*/%s1_s0, /*size_in_granules=*/1, "
+            "/*smem=*/%s2_s1, /*dst_syncflagno=*/[#allocation1]",
+        ),
+        _bundle(2, "%4 = dma.done.wait [#allocation1], 1"),
+        _bundle(3, "%s5_s2 = sld [smem:[#allocation3 + $0x2]]  ;;  %s6_s3 = smov.u32 0"),
+        _bundle(4, "%s7_s3 = sadd.s32 1, %s6_s3", "LB", 1, "Start region 5"),
+        _bundle(5, "%p8_p0 = scmp.ge.s32.totalorder %s7_s3, %s5_s2", "", 1),
+        _bundle(6, "%9 = sbr.rel (!%p8_p0) target = $region5", "", 1),
+    ]
+    addr = 7
+    for _ in range(delay_pad):
+        lines.append(_bundle(addr, "", "", 0))
+        addr += 1
+    lines.append(_bundle(addr, "%s10_s4 = smov.u32 (%p8_p0), 7"))
+    return "\n".join(lines)
 
 
 def _run(text, values, rule="fixed4"):
-  return llo._Machine(llo.parse(text), values, HBM, 10_000, rule).run()
+    return llo._Machine(llo.parse(text), values, HBM, 10_000, rule).run()
 
 
 @pytest.mark.parametrize("trips", [1, 3, 9])
 def test_loop_runs_the_trip_count_read_from_smem(trips):
-  text = _loop_program(delay_pad=4)
-  r = _run(text, {0: [0, 0, trips, 0, 0, 0, 0, 0]})
-  (loop,) = r.loops
-  assert loop.iterations == trips
-  assert r.unknown_branches == 0
-  # 4 straight bundles, then per pass 3 body bundles + 4 delay slots (the
-  # last pass falls through the same 4), then the exit bundle.
-  assert r.bundles == 4 + trips * 7 + 1
-  # the one DMA (32 bytes) waited on at once: latency + its transfer exposed
-  assert r.stall_cycles == pytest.approx(50 + 32 / 100.0 - 1, abs=1.0)
+    text = _loop_program(delay_pad=4)
+    r = _run(text, {0: [0, 0, trips, 0, 0, 0, 0, 0]})
+    (loop,) = r.loops
+    assert loop.iterations == trips
+    assert r.unknown_branches == 0
+    # 4 straight bundles, then per pass 3 body bundles + 4 delay slots (the
+    # last pass falls through the same 4), then the exit bundle.
+    assert r.bundles == 4 + trips * 7 + 1
+    # the one DMA (32 bytes) waited on at once: latency + its transfer exposed
+    assert r.stall_cycles == pytest.approx(50 + 32 / 100.0 - 1, abs=1.0)
 
 
 def test_unknown_predicate_is_reported_not_guessed():
-  text = _loop_program(delay_pad=4)
-  r = _run(text, {})  # no operand values: the trip count is unknown
-  assert r.unknown_branches >= 1
-  assert any("unknown" in n for n in r.notes)
+    text = _loop_program(delay_pad=4)
+    r = _run(text, {})  # no operand values: the trip count is unknown
+    assert r.unknown_branches >= 1
+    assert any("unknown" in n for n in r.notes)
 
 
 def test_block_delay_rule_stops_at_the_next_region():
-  # tpu7x: a forward branch whose padding is one empty bundle before the
-  # target region must not execute the target's bundles as delay slots.
-  lines = [
-      _bundle(0, "%s1_s0 = smov.u32 1"),
-      _bundle(1, "%p2_p0 = scmp.eq.s32.totalorder %s1_s0, 1"),
-      _bundle(2, "%3 = sbr.rel (%p2_p0) target = $region9"),
-      _bundle(3, ""),
-      _bundle(4, "%s4_s0 = smov.u32 5", "PF", 0, "Start region 8"),
-      _bundle(5, "%s5_s1 = smov.u32 6", "", 0, "Start region 9"),
-  ]
-  m = llo._Machine(llo.parse("\n".join(lines)), {}, HBM, 100, "block")
-  assert m.run().unknown_branches == 0
-  assert m.regs["s0"] == 1  # the PF bundle was jumped over
-  assert m.regs["s1"] == 6
+    # tpu7x: a forward branch whose padding is one empty bundle before the
+    # target region must not execute the target's bundles as delay slots.
+    lines = [
+        _bundle(0, "%s1_s0 = smov.u32 1"),
+        _bundle(1, "%p2_p0 = scmp.eq.s32.totalorder %s1_s0, 1"),
+        _bundle(2, "%3 = sbr.rel (%p2_p0) target = $region9"),
+        _bundle(3, ""),
+        _bundle(4, "%s4_s0 = smov.u32 5", "PF", 0, "Start region 8"),
+        _bundle(5, "%s5_s1 = smov.u32 6", "", 0, "Start region 9"),
+    ]
+    m = llo._Machine(llo.parse("\n".join(lines)), {}, HBM, 100, "block")
+    assert m.run().unknown_branches == 0
+    assert m.regs["s0"] == 1  # the PF bundle was jumped over
+    assert m.regs["s1"] == 6
 
 
 def test_dmas_share_one_pipe():
-  lines = [
-      _bundle(0, "%s1_s0 = inlined_call_operand.hbm [shape: bf16[4096], index: 0, kind: input, shape index: {}]"),
-      _bundle(1, "%2 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s1_s0, /*size_in_granules=*/100, "
-              "/*vmem=*/[#allocation2], /*dst_syncflagno=*/[#allocation4]"),
-      _bundle(2, "%3 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s1_s0, /*size_in_granules=*/100, "
-              "/*vmem=*/[#allocation3], /*dst_syncflagno=*/[#allocation5]"),
-      _bundle(3, "%4 = dma.done.wait [#allocation5], 100"),
-  ]
-  r = _run("\n".join(lines), {})
-  # two 3200-byte copies back to back at 100 B/cycle, then the latency
-  assert r.cycles == pytest.approx(1 + 64 + 50, abs=2)
-  assert r.dma_bytes == 6400
+    lines = [
+        _bundle(
+            0,
+            "%s1_s0 = inlined_call_operand.hbm [shape: bf16[4096], index: 0, kind: input, shape index: {}]",
+        ),
+        _bundle(
+            1,
+            "%2 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s1_s0, /*size_in_granules=*/100, "
+            "/*vmem=*/[#allocation2], /*dst_syncflagno=*/[#allocation4]",
+        ),
+        _bundle(
+            2,
+            "%3 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s1_s0, /*size_in_granules=*/100, "
+            "/*vmem=*/[#allocation3], /*dst_syncflagno=*/[#allocation5]",
+        ),
+        _bundle(3, "%4 = dma.done.wait [#allocation5], 100"),
+    ]
+    r = _run("\n".join(lines), {})
+    # two 3200-byte copies back to back at 100 B/cycle, then the latency
+    assert r.cycles == pytest.approx(1 + 64 + 50, abs=2)
+    assert r.dma_bytes == 6400
 
 
 # ------------------------------------------------------------ real kernels
 
 
 def _require_dumps():
-  if schedule.enable_dumps() is None:
-    pytest.fail("libtpu was loaded before bench enabled the compiler dumps: "
-                "import bench before anything imports torch_tpu")
+    if schedule.enable_dumps() is None:
+        pytest.fail(
+            "libtpu was loaded before bench enabled the compiler dumps: "
+            "import bench before anything imports torch_tpu"
+        )
 
 
 def _gmm_launch(generation):
-  from ragged_dot_tpu.ragged_dot import ragged_dot
+    from ragged_dot_tpu.ragged_dot import ragged_dot
 
-  rng = np.random.default_rng(3)
-  # Weights larger than any VMEM (100 MB), so the compiler keeps them in HBM
-  # even when the kernel is compiled on its own.
-  experts, k, n, tokens, top_k = 64, 1024, 768, 6, 2
-  ids = np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
-  sizes = np.bincount(ids, minlength=experts).astype(np.int32)
-  fn = functools.partial(ragged_dot, config=generation)
-  (launch,) = walker.trace_launches(
-      fn, jax.ShapeDtypeStruct((tokens * top_k, k), jnp.bfloat16),
-      jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16), jnp.asarray(sizes))
-  return launch, int((sizes > 0).sum())
+    rng = np.random.default_rng(3)
+    # Weights larger than any VMEM (100 MB), so the compiler keeps them in HBM
+    # even when the kernel is compiled on its own.
+    experts, k, n, tokens, top_k = 64, 1024, 768, 6, 2
+    ids = np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    sizes = np.bincount(ids, minlength=experts).astype(np.int32)
+    fn = functools.partial(ragged_dot, config=generation)
+    (launch,) = walker.trace_launches(
+        fn,
+        jax.ShapeDtypeStruct((tokens * top_k, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16),
+        jnp.asarray(sizes),
+    )
+    return launch, int((sizes > 0).sum())
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
 def test_gmm_schedule_moves_what_the_walk_counts(generation):
-  """Our gmm on each generation: the executed schedule DMAs exactly the
-  active experts' weights (the walk's count, from the jaxpr), and every
-  branch it takes is decided."""
-  _require_dumps()
-  launch, active = _gmm_launch(generation)
-  cost = walker.walk_launch(launch)
-  s = schedule.schedule_launch(launch, generation)
-  assert s.unknown_branches == 0, s.notes
-  weights = active * 1024 * 768 * 2  # one expert is ~9% of the total here
-  assert s.dma_bytes >= weights
-  # Within 1% of the walk: the schedule also moves the tile padding of the
-  # small lhs/out windows, and on tpu7x the lhs arrives as a VMEM operand.
-  assert abs(s.dma_bytes - cost.hbm_bytes) <= 0.01 * cost.hbm_bytes
-  assert s.seconds > 0
-  assert s.cycles >= s.bundles
+    """Our gmm on each generation: the executed schedule DMAs exactly the
+    active experts' weights (the walk's count, from the jaxpr), and every
+    branch it takes is decided."""
+    _require_dumps()
+    launch, active = _gmm_launch(generation)
+    cost = walker.walk_launch(launch)
+    s = schedule.schedule_launch(launch, generation)
+    assert s.unknown_branches == 0, s.notes
+    weights = active * 1024 * 768 * 2  # one expert is ~9% of the total here
+    assert s.dma_bytes >= weights
+    # Within 1% of the walk: the schedule also moves the tile padding of the
+    # small lhs/out windows, and on tpu7x the lhs arrives as a VMEM operand.
+    assert abs(s.dma_bytes - cost.hbm_bytes) <= 0.01 * cost.hbm_bytes
+    assert s.seconds > 0
+    assert s.cycles >= s.bundles
 
 
 # ---------------------------------------------------- deliberately slowed
 
 
 def _scale_kernel(x_ref, o_ref, *, extra):
-  y = x_ref[...] * 2.0
-  for i in range(extra):  # VPU work the ideal model cannot see
-    y = jnp.tanh(y) * 1.0001 + y * 0.5
-  o_ref[...] = y
+    y = x_ref[...] * 2.0
+    for i in range(extra):  # VPU work the ideal model cannot see
+        y = jnp.tanh(y) * 1.0001 + y * 0.5
+    o_ref[...] = y
 
 
 def _scale(x, extra):
-  return pl.pallas_call(
-      functools.partial(_scale_kernel, extra=extra),
-      grid=(x.shape[0] // 256,),
-      in_specs=[pl.BlockSpec((256, 512), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((256, 512), lambda i: (i, 0)),
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    return pl.pallas_call(
+        functools.partial(_scale_kernel, extra=extra),
+        grid=(x.shape[0] // 256,),
+        in_specs=[pl.BlockSpec((256, 512), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((256, 512), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
 
 
 def _copy_kernel(x_hbm, w_hbm, o_ref, xbuf, wbuf, sem, *, wait_early):
-  cx = pltpu.make_async_copy(x_hbm, xbuf, sem.at[0])
-  cw = pltpu.make_async_copy(w_hbm, wbuf, sem.at[1])
-  cx.start()
-  cw.start()
-  if wait_early:  # the weight DMA waited right after it starts
-    cw.wait()
-  cx.wait()
-  y = xbuf[...]
-  for _ in range(8):
-    y = y * 1.5 + 1.0
-  if not wait_early:
-    cw.wait()
-  o_ref[...] = y + wbuf[...]
+    cx = pltpu.make_async_copy(x_hbm, xbuf, sem.at[0])
+    cw = pltpu.make_async_copy(w_hbm, wbuf, sem.at[1])
+    cx.start()
+    cw.start()
+    if wait_early:  # the weight DMA waited right after it starts
+        cw.wait()
+    cx.wait()
+    y = xbuf[...]
+    for _ in range(8):
+        y = y * 1.5 + 1.0
+    if not wait_early:
+        cw.wait()
+    o_ref[...] = y + wbuf[...]
 
 
 def _copy(x, w, wait_early):
-  return pl.pallas_call(
-      functools.partial(_copy_kernel, wait_early=wait_early),
-      in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-      scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.VMEM(w.shape, w.dtype),
-                      pltpu.SemaphoreType.DMA((2,))],
-      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, w)
+    return pl.pallas_call(
+        functools.partial(_copy_kernel, wait_early=wait_early),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[
+            pltpu.VMEM(x.shape, x.dtype),
+            pltpu.VMEM(w.shape, w.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+        ],
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x, w)
 
 
 def _both_models(fn, args, generation="v6e"):
-  (launch,) = walker.trace_launches(fn, *args)
-  c = walker.walk_launch(launch)
-  ideal = model.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation)
-  return ideal, schedule.schedule_launch(launch, generation)
+    (launch,) = walker.trace_launches(fn, *args)
+    c = walker.walk_launch(launch)
+    ideal = model.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation)
+    return ideal, schedule.schedule_launch(launch, generation)
 
 
 def test_extra_vpu_work_costs_scheduled_time_not_ideal_time():
-  _require_dumps()
-  x = jax.ShapeDtypeStruct((2048, 512), jnp.float32)
-  ideal0, s0 = _both_models(lambda a: _scale(a, 0), (x,))
-  ideal1, s1 = _both_models(lambda a: _scale(a, 20), (x,))
-  assert ideal1 == ideal0
-  assert s1.seconds > 1.5 * s0.seconds
-  assert s1.bundles > s0.bundles
+    _require_dumps()
+    x = jax.ShapeDtypeStruct((2048, 512), jnp.float32)
+    ideal0, s0 = _both_models(lambda a: _scale(a, 0), (x,))
+    ideal1, s1 = _both_models(lambda a: _scale(a, 20), (x,))
+    assert ideal1 == ideal0
+    assert s1.seconds > 1.5 * s0.seconds
+    assert s1.bundles > s0.bundles
 
 
 def test_a_dma_waited_at_once_costs_scheduled_time_not_ideal_time():
-  _require_dumps()
-  x = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
-  w = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
-  ideal_late, late = _both_models(lambda a, b: _copy(a, b, False), (x, w))
-  ideal_early, early = _both_models(lambda a, b: _copy(a, b, True), (x, w))
-  assert ideal_early == ideal_late
-  assert early.stall_cycles > late.stall_cycles
-  assert early.seconds > late.seconds
+    _require_dumps()
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
+    ideal_late, late = _both_models(lambda a, b: _copy(a, b, False), (x, w))
+    ideal_early, early = _both_models(lambda a, b: _copy(a, b, True), (x, w))
+    assert ideal_early == ideal_late
+    assert early.stall_cycles > late.stall_cycles
+    assert early.seconds > late.seconds

@@ -21,132 +21,127 @@ TINY_T = moe.MoeShape("gpt-oss-20b", experts=4, top_k=2, hidden=256, intermediat
 
 
 def _f64(a):
-  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
 
 def moe_reference(x, w_gate_up, w_down, ids, weights):
-  """Per token, per routed expert: down(silu(gate) * up), weighted sum."""
-  x, wgu, wd, w = map(_f64, (x, w_gate_up, w_down, weights))
-  ids = np.asarray(ids)
-  inter = wd.shape[1]
-  out = np.zeros(x.shape)
-  for t in range(x.shape[0]):
-    for j in range(ids.shape[1]):
-      e = ids[t, j]
-      h = x[t] @ wgu[e]
-      g = h[:inter] / (1 + np.exp(-h[:inter]))
-      out[t] += w[t, j] * ((g * h[inter:]) @ wd[e])
-  return out
+    """Per token, per routed expert: down(silu(gate) * up), weighted sum."""
+    x, wgu, wd, w = map(_f64, (x, w_gate_up, w_down, weights))
+    ids = np.asarray(ids)
+    inter = wd.shape[1]
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            h = x[t] @ wgu[e]
+            g = h[:inter] / (1 + np.exp(-h[:inter]))
+            out[t] += w[t, j] * ((g * h[inter:]) @ wd[e])
+    return out
 
 
 def _close(out, ref, rel=3e-2):
-  out = _f64(out)
-  scale = np.abs(ref).max()
-  assert scale > 0
-  err = np.abs(out - ref).max() / scale
-  assert err < rel, f"max error {err:.3g} of max |ref| {scale:.3g}"
+    out = _f64(out)
+    scale = np.abs(ref).max()
+    assert scale > 0
+    err = np.abs(out - ref).max() / scale
+    assert err < rel, f"max error {err:.3g} of max |ref| {scale:.3g}"
 
 
 def _run(name, point, generation="v6e", tpu_interpret=True):
-  """The registered program on the point's concrete inputs; Pallas kernels in
-  TPU interpret mode unless the test switched the module's own interpret
-  flag (splash)."""
-  built = registry.REGISTRY[name].build(point, generation, None)
-  args = registry.program_args(built, point.real_args())
-  if not tpu_interpret:
-    return built, jax.jit(built.fn)(*args)
-  with pltpu.force_tpu_interpret_mode():
-    return built, jax.jit(built.fn)(*args)
+    """The registered program on the point's concrete inputs; Pallas kernels in
+    TPU interpret mode unless the test switched the module's own interpret
+    flag (splash)."""
+    built = registry.REGISTRY[name].build(point, generation, None)
+    args = registry.program_args(built, point.real_args())
+    if not tpu_interpret:
+        return built, jax.jit(built.fn)(*args)
+    with pltpu.force_tpu_interpret_mode():
+        return built, jax.jit(built.fn)(*args)
 
 
 # (xla_dense is left out: the CPU runtime of this jaxlib cannot run its
 # bf16 x bf16 -> f32 einsum, "Unsupported element type for DotThunk".)
-@pytest.mark.parametrize("impl", ["hf_grouped_mm", "xla_ragged_dot",
-                                  "megablox_default"])
+@pytest.mark.parametrize("impl", ["hf_grouped_mm", "xla_ragged_dot", "megablox_default"])
 @pytest.mark.parametrize("shape,tokens", [(TINY, 8), (TINY_I, 48)])
 def test_moe_baseline_matches_reference(impl, shape, tokens):
-  point = moe.MoePoint(shape, tokens, "zipf")
-  _, out = _run(impl, point)
-  _close(out, moe_reference(*point.real_args()))
+    point = moe.MoePoint(shape, tokens, "zipf")
+    _, out = _run(impl, point)
+    _close(out, moe_reference(*point.real_args()))
 
 
 def test_hf_grouped_mm_transposed_storage_model():
-  """GPT-OSS stores [E, in, out]: the buffers are used as they are."""
-  point = moe.MoePoint(TINY_T, 8, "uniform")
-  built, out = _run("hf_grouped_mm", point)
-  assert built.key == ("hf_grouped_mm", True)
-  _close(out, moe_reference(*point.real_args()))
+    """GPT-OSS stores [E, in, out]: the buffers are used as they are."""
+    point = moe.MoePoint(TINY_T, 8, "uniform")
+    built, out = _run("hf_grouped_mm", point)
+    assert built.key == ("hf_grouped_mm", True)
+    _close(out, moe_reference(*point.real_args()))
 
 
 def test_hf_experts_forward_in_transformers_layout():
-  """The transformers-layout function itself, on weights stored [E, out, in]."""
-  from bench.baselines import hf_grouped_mm as hf
+    """The transformers-layout function itself, on weights stored [E, out, in]."""
+    from bench.baselines import hf_grouped_mm as hf
 
-  point = moe.MoePoint(TINY, 16, "uniform")
-  x, wgu, wd, ids, w = point.real_args()
-  out = jax.jit(hf.experts_forward)(x, jnp.swapaxes(wgu, 1, 2),
-                                    jnp.swapaxes(wd, 1, 2), ids, w)
-  _close(out, moe_reference(x, wgu, wd, ids, w))
-  out_t = jax.jit(lambda *a: hf.experts_forward(*a, is_transposed=True))(
-      x, wgu, wd, ids, w)
-  _close(out_t, moe_reference(x, wgu, wd, ids, w))
+    point = moe.MoePoint(TINY, 16, "uniform")
+    x, wgu, wd, ids, w = point.real_args()
+    out = jax.jit(hf.experts_forward)(x, jnp.swapaxes(wgu, 1, 2), jnp.swapaxes(wd, 1, 2), ids, w)
+    _close(out, moe_reference(x, wgu, wd, ids, w))
+    out_t = jax.jit(lambda *a: hf.experts_forward(*a, is_transposed=True))(x, wgu, wd, ids, w)
+    _close(out_t, moe_reference(x, wgu, wd, ids, w))
 
 
 def test_hf_grouped_mm_has_transformers_parameter_layout():
-  """The weights enter the program as transformers' [E, out, in] arrays and
-  are transposed once each (no transpose pair that XLA could cancel); the
-  point's own [E, in, out] arguments are refused rather than mis-timed."""
-  point = moe.MoePoint(TINY_I, 8, "uniform")
-  built = registry.REGISTRY["hf_grouped_mm"].build(point, "v6e", None)
-  args = registry.program_args(built, point.compile_args())
-  assert [a.shape for a in args[1:3]] == [(4, 768, 256), (4, 256, 384)]
-  text = jax.jit(built.fn).lower(*args).as_text()
-  assert text.count("stablehlo.transpose") == 2
-  assert "tensor<4x768x256xbf16>" in text and "tensor<4x256x384xbf16>" in text
-  with pytest.raises(ValueError, match="program_args"):
-    jax.eval_shape(built.fn, *point.compile_args())
+    """The weights enter the program as transformers' [E, out, in] arrays and
+    are transposed once each (no transpose pair that XLA could cancel); the
+    point's own [E, in, out] arguments are refused rather than mis-timed."""
+    point = moe.MoePoint(TINY_I, 8, "uniform")
+    built = registry.REGISTRY["hf_grouped_mm"].build(point, "v6e", None)
+    args = registry.program_args(built, point.compile_args())
+    assert [a.shape for a in args[1:3]] == [(4, 768, 256), (4, 256, 384)]
+    text = jax.jit(built.fn).lower(*args).as_text()
+    assert text.count("stablehlo.transpose") == 2
+    assert "tensor<4x768x256xbf16>" in text and "tensor<4x256x384xbf16>" in text
+    with pytest.raises(ValueError, match="program_args"):
+        jax.eval_shape(built.fn, *point.compile_args())
 
 
 def test_tokamax_forced_pallas_matches_reference():
-  pytest.importorskip("tokamax")
-  point = moe.MoePoint(TINY, 8, "zipf")
-  built, out = _run("tokamax_ragged_dot", point)
-  assert any("rows padded 16 -> 128" in n for n in built.notes)
-  _close(out, moe_reference(*point.real_args()))
+    pytest.importorskip("tokamax")
+    point = moe.MoePoint(TINY, 8, "zipf")
+    built, out = _run("tokamax_ragged_dot", point)
+    assert any("rows padded 16 -> 128" in n for n in built.notes)
+    _close(out, moe_reference(*point.real_args()))
 
 
 def test_tokamax_runs_its_pallas_kernel_not_xla():
-  pytest.importorskip("tokamax")
-  point = moe.MoePoint(TINY, 8, "uniform")
-  built = registry.REGISTRY["tokamax_ragged_dot"].build(point, "tpu7x", None)
-  launches = walker.trace_launches(built.fn, *point.walker_args())
-  assert [l.name for l in launches] == ["gmm_megablox", "gmm_megablox"]
+    pytest.importorskip("tokamax")
+    point = moe.MoePoint(TINY, 8, "uniform")
+    built = registry.REGISTRY["tokamax_ragged_dot"].build(point, "tpu7x", None)
+    launches = walker.trace_launches(built.fn, *point.walker_args())
+    assert [l.name for l in launches] == ["gmm_megablox", "gmm_megablox"]
 
 
 def attention_reference(q, k, v):
-  q, k, v = map(_f64, (q, k, v))
-  rep = q.shape[1] // k.shape[1]
-  k = np.repeat(k, rep, axis=1)
-  v = np.repeat(v, rep, axis=1)
-  s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
-  n = q.shape[2]
-  s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  return np.einsum("bhqk,bhkd->bhqd", p, v)
+    q, k, v = map(_f64, (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k = np.repeat(k, rep, axis=1)
+    v = np.repeat(v, rep, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    n = q.shape[2]
+    s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bhkd->bhqd", p, v)
 
 
-@pytest.mark.parametrize("impl", ["jax_splash_attention", "torch_tpu_splash",
-                                  "xla_attention"])
+@pytest.mark.parametrize("impl", ["jax_splash_attention", "torch_tpu_splash", "xla_attention"])
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_attention_baseline_matches_reference(impl, kv_heads, monkeypatch):
-  if impl == "torch_tpu_splash":
-    pytest.importorskip("torch_tpu")
-  from bench.baselines import splash
+    if impl == "torch_tpu_splash":
+        pytest.importorskip("torch_tpu")
+    from bench.baselines import splash
 
-  monkeypatch.setattr(splash, "INTERPRET", True)
-  point = points.AttentionPoint(seq=256, batch=2, q_heads=4, kv_heads=kv_heads,
-                                head_dim=128)
-  _, out = _run(impl, point, tpu_interpret=False)
-  assert out.shape == (2, 4, 256, 128)
-  _close(out, attention_reference(*point.real_args()))
+    monkeypatch.setattr(splash, "INTERPRET", True)
+    point = points.AttentionPoint(seq=256, batch=2, q_heads=4, kv_heads=kv_heads, head_dim=128)
+    _, out = _run(impl, point, tpu_interpret=False)
+    assert out.shape == (2, 4, 256, 128)
+    _close(out, attention_reference(*point.real_args()))

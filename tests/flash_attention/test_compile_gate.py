@@ -30,16 +30,24 @@ WINDOW = (4095, 0)  # 4k sliding window, causal
 DECODE = "decode"  # q_len 1 against 32k keys
 
 POINTS = [
-    *itertools.product(GENERATIONS, (64, 128, 256), (1024, 8192, 32768), ("causal", "window"),
-                       ("fwd", "bwd")),
+    *itertools.product(
+        GENERATIONS, (64, 128, 256), (1024, 8192, 32768), ("causal", "window"), ("fwd", "bwd")
+    ),
     *itertools.product(GENERATIONS, (64, 128, 256), (DECODE,), ("causal",), ("fwd", "bwd")),
 ]
 # COMPILE_GATE=subset (local runs only; CI runs the whole matrix): the former CI
 # subset, every generation and head_dim, causal and windowed, 32k and decode.
-SUBSET = [("v5e", 64, 1024, "causal"), ("v5e", 256, 8192, "window"), ("v5e", 128, DECODE, "causal"),
-          ("v6e", 128, 32768, "causal"), ("v6e", 64, 8192, "window"), ("v6e", 256, DECODE, "causal"),
-          ("tpu7x", 256, 1024, "causal"), ("tpu7x", 128, 32768, "window"),
-          ("tpu7x", 64, DECODE, "causal")]
+SUBSET = [
+    ("v5e", 64, 1024, "causal"),
+    ("v5e", 256, 8192, "window"),
+    ("v5e", 128, DECODE, "causal"),
+    ("v6e", 128, 32768, "causal"),
+    ("v6e", 64, 8192, "window"),
+    ("v6e", 256, DECODE, "causal"),
+    ("tpu7x", 256, 1024, "causal"),
+    ("tpu7x", 128, 32768, "window"),
+    ("tpu7x", 64, DECODE, "causal"),
+]
 if os.environ.get("COMPILE_GATE") == "subset":
     POINTS = [p for p in POINTS if p[:4] in SUBSET]
 
@@ -65,8 +73,11 @@ def gate_program(point) -> GateProgram:
     """The program a point compiles (called in the gate's worker processes)."""
     generation, head_dim, seq, mask, kind = point
     q_len, kv_len = (1, 32768) if seq == DECODE else (seq, seq)
-    args = [spec((1, HQ, q_len, head_dim)), spec((1, HKV, kv_len, head_dim)),
-            spec((1, HKV, kv_len, head_dim))]
+    args = [
+        spec((1, HQ, q_len, head_dim)),
+        spec((1, HKV, kv_len, head_dim)),
+        spec((1, HKV, kv_len, head_dim)),
+    ]
     prog = GateProgram(_fn(generation, mask, kind), args, generation)
     if kind == "fwd":
         prog.covered_by = gate_program((generation, head_dim, seq, mask, "bwd"))
@@ -86,8 +97,12 @@ def test_compiles(point, pool):
 
 def test_mla_style_head_dims_compile():
     # D = 192 with Dv = 128 (DeepSeek MLA), ragged length, sinks and softcap.
-    args = [spec((1, 16, 1000, 192)), spec((1, 16, 1000, 192)), spec((1, 16, 1000, 128)),
-            spec((16,), jnp.float32)]
+    args = [
+        spec((1, 16, 1000, 192)),
+        spec((1, 16, 1000, 192)),
+        spec((1, 16, 1000, 128)),
+        spec((16,), jnp.float32),
+    ]
 
     def loss(q, k, v, s):
         o = fa.flash_attention(q, k, v, causal=True, sinks=s, softcap=30.0, generation="v6e")
@@ -98,12 +113,16 @@ def test_mla_style_head_dims_compile():
 
 def test_varlen_compiles():
     tq = tk = 8192
-    args = [spec((tq, HQ, 128)), spec((tk, HKV, 128)), spec((tk, HKV, 128)),
-            spec((9,), jnp.int32), spec((9,), jnp.int32)]
+    args = [
+        spec((tq, HQ, 128)),
+        spec((tk, HKV, 128)),
+        spec((tk, HKV, 128)),
+        spec((9,), jnp.int32),
+        spec((9,), jnp.int32),
+    ]
 
     def loss(q, k, v, cq, ck):
-        o = fa.flash_attention_varlen(q, k, v, cq, ck, 4096, 4096, causal=True,
-                                      generation="tpu7x")
+        o = fa.flash_attention_varlen(q, k, v, cq, ck, 4096, 4096, causal=True, generation="tpu7x")
         return jnp.sum(o.astype(jnp.float32))
 
     assert_compiles(jax.grad(loss, argnums=(0, 1, 2)), args, "tpu7x")
@@ -116,11 +135,14 @@ def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch):
     from flash_attention_tpu import tiling
 
     gen, d, t, group = "tpu7x", 128, 8192, HQ // HKV
-    plan = tiling.plan(generation=gen, q_len=t, kv_len=t, group=group, head_dim=d,
-                       head_dim_v=d, itemsize=2)
-    need = max(tiling.fwd_vmem_bytes(plan.fwd.rows, plan.fwd.block_kv, d, d, 2),
-               tiling.dkdv_vmem_bytes(plan.dkdv.rows, plan.dkdv.block_kv, d, d, 2),
-               tiling.dq_vmem_bytes(plan.dq.rows, plan.dq.block_kv, d, d, 2))
+    plan = tiling.plan(
+        generation=gen, q_len=t, kv_len=t, group=group, head_dim=d, head_dim_v=d, itemsize=2
+    )
+    need = max(
+        tiling.fwd_vmem_bytes(plan.fwd.rows, plan.fwd.block_kv, d, d, 2),
+        tiling.dkdv_vmem_bytes(plan.dkdv.rows, plan.dkdv.block_kv, d, d, 2),
+        tiling.dq_vmem_bytes(plan.dq.rows, plan.dq.block_kv, d, d, 2),
+    )
     monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, need)
     args = [spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d))]
     assert_compiles(_fn(gen, "causal", "bwd"), args, gen)

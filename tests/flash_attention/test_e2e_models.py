@@ -25,9 +25,17 @@ import torch
 REPO = "tpu-kernels/flash-attention-tpu"
 NAME = "flash-attention-tpu"
 VOCAB, SEQ, NEW = 96, 8, 4
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=64,
-              initializer_range=0.2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+)
 WINDOWED = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 
 
@@ -40,13 +48,19 @@ def _save_tiny(family, path):
     elif family == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON))
     elif family == "gemma3":  # sliding window, q/k norms, query_pre_attn_scalar scaling
-        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(query_pre_attn_scalar=48, **WINDOWED, **COMMON))
+        model = tf.Gemma3ForCausalLM(
+            tf.Gemma3TextConfig(query_pre_attn_scalar=48, **WINDOWED, **COMMON)
+        )
     elif family == "gemma2":  # sliding window + attention logit softcapping
-        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(query_pre_attn_scalar=64, attn_logit_softcapping=2.0,
-                                                     **WINDOWED, **COMMON))
+        model = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(
+                query_pre_attn_scalar=64, attn_logit_softcapping=2.0, **WINDOWED, **COMMON
+            )
+        )
     elif family == "gpt_oss":  # attention sinks + sliding window, GQA 2:1
-        model = tf.GptOssForCausalLM(tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2,
-                                                     **WINDOWED, **COMMON))
+        model = tf.GptOssForCausalLM(
+            tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **WINDOWED, **COMMON)
+        )
         for layer in model.model.layers:
             layer.self_attn.sinks.data.normal_(0.0, 1.0)
     else:
@@ -66,7 +80,9 @@ def kernel(published):
     k = get_kernel(REPO, version=1, trust_remote_code=[REPO])
     assert k.__file__.startswith(str(published[NAME]))
     AttentionInterface.register("tpu_attention", k.attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("tpu_attention", ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    ALL_MASK_ATTENTION_FUNCTIONS.register(
+        "tpu_attention", ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    )
     # attention_forward also takes 4-D masks: sdpa's boolean masks exercise that path.
     AttentionInterface.register("tpu_attention_4d", k.attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register("tpu_attention_4d", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
@@ -88,8 +104,9 @@ def _inputs():
 def _load(path, impl, **kw):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, allow_all_kernels=True,
-                                                **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=impl, allow_all_kernels=True, **kw
+    ).eval()
 
 
 def _compare(ours, ref):
@@ -118,7 +135,9 @@ def test_string_form_matches_eager(family, kernel, published, tmp_path):
     _compare(ours, _load(tmp_path, "eager"))
 
 
-@pytest.mark.parametrize("family, impl", [("gpt_oss", "tpu_attention"), ("llama", "tpu_attention_4d")])
+@pytest.mark.parametrize(
+    "family, impl", [("gpt_oss", "tpu_attention"), ("llama", "tpu_attention_4d")]
+)
 def test_registered_attention_forward_matches_eager(family, impl, kernel, tmp_path):
     _save_tiny(family, tmp_path)
     ours = _load(tmp_path, impl)
@@ -133,8 +152,9 @@ def test_gpt_oss_string_form_is_redirected_by_transformers(kernel, tmp_path, mon
     from transformers import GptOssConfig, GptOssForCausalLM
 
     requested = []
-    monkeypatch.setattr(mu, "lazy_import_flash_attention",
-                        lambda impl, **kw: requested.append(impl))  # no download attempt
+    monkeypatch.setattr(
+        mu, "lazy_import_flash_attention", lambda impl, **kw: requested.append(impl)
+    )  # no download attempt
     model = GptOssForCausalLM(GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **COMMON))
     got = model._check_and_adjust_attn_implementation(REPO)
     assert got != REPO and requested == [got]

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from flash_attention_tpu import block_schedule as bsched  # noqa: E402
@@ -36,10 +36,12 @@ from tolerances import ATTENTION_ROUNDINGS, assert_close, attention_magnitudes  
 
 SMALL = tiling.BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
 # 256 blocks cut into 128 sub-tiles: exercises the sub-tiled masked path.
-SUBTILED = tiling.BlockSizes(block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256,
-                             sub_block=128)
+SUBTILED = tiling.BlockSizes(
+    block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256, sub_block=128
+)
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 SCALES = [None, 0.05, 0.3]  # softmax_scale: default 1/sqrt(D), and two others
+
 
 def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
@@ -52,8 +54,20 @@ def _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks):
     return q, k, v, do, sinks
 
 
-def _check_all(kernel_fn, ref_fn, probs_fn, q, k, v, do, sinks, dtype, scale,
-               to_dense=lambda x: x, from_dense=lambda x: x):
+def _check_all(
+    kernel_fn,
+    ref_fn,
+    probs_fn,
+    q,
+    k,
+    v,
+    do,
+    sinks,
+    dtype,
+    scale,
+    to_dense=lambda x: x,
+    from_dense=lambda x: x,
+):
     """Output, logsumexp and grads of q, k, v (and sinks) vs the reference, per element.
 
     probs_fn(q, k, sinks) -> the reference's probabilities; to_dense/from_dense
@@ -69,24 +83,36 @@ def _check_all(kernel_fn, ref_fn, probs_fn, q, k, v, do, sinks, dtype, scale,
             o, lse = fn(q, k, v, sinks)
             lse_term = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(-1) * w_lse
             return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(lse_term), (o, lse)
+
         return f
 
     # One jit per side: eager mode would compile every small op separately.
     grads, (o, lse) = jax.jit(jax.grad(loss(kernel_fn), argnums=argnums, has_aux=True))(
-        q, k, v, sinks)
+        q, k, v, sinks
+    )
     f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
     rgrads, (ro, rlse) = jax.jit(jax.grad(loss(ref_fn), argnums=argnums, has_aux=True))(
-        f32(q), f32(k), f32(v), sinks)
+        f32(q), f32(k), f32(v), sinks
+    )
     assert o.dtype == q.dtype
     assert not bool(jnp.any(jnp.isnan(o.astype(jnp.float32))))
     dlse = jnp.where(jnp.isfinite(rlse), w_lse.reshape(rlse.shape), 0.0)
     p = jax.jit(probs_fn)(f32(q), f32(k), sinks)
-    mags = attention_magnitudes(to_dense(p), to_dense(q), to_dense(k), to_dense(v),
-                                to_dense(do), to_dense(dlse), sinks, scale)
+    mags = attention_magnitudes(
+        to_dense(p),
+        to_dense(q),
+        to_dense(k),
+        to_dense(v),
+        to_dense(do),
+        to_dense(dlse),
+        sinks,
+        scale,
+    )
     rnd = (lambda name: ATTENTION_ROUNDINGS[name]) if dtype == jnp.bfloat16 else (lambda name: 0)
     low = jnp.dtype(dtype)
-    assert_close(o, ro, dtype=low, magnitude=from_dense(mags["out"]), roundings=rnd("out"),
-                 what="out")
+    assert_close(
+        o, ro, dtype=low, magnitude=from_dense(mags["out"]), roundings=rnd("out"), what="out"
+    )
     # f32 logsumexp: exp-sum and log in another order, relative to |lse| + 1.
     lse_mag = np.where(np.isfinite(rlse), np.abs(np.asarray(rlse)), 0.0) + 1.0
     assert_close(lse, rlse, magnitude=lse_mag, what="lse")
@@ -102,18 +128,41 @@ def _eye_v(hkv, skv, b=1):
     return jnp.broadcast_to(jnp.eye(skv, dtype=jnp.float32), (b, hkv, skv, skv))
 
 
-def _dense_case(*, seed=0, b=1, hq=4, hkv=2, sq=136, skv=136, d=64, dv=None, dtype=jnp.float32,
-                causal=False, window=(-1, -1), softcap=None, with_sinks=False, segments=None,
-                scale=None, block_sizes=SMALL):
+def _dense_case(
+    *,
+    seed=0,
+    b=1,
+    hq=4,
+    hkv=2,
+    sq=136,
+    skv=136,
+    d=64,
+    dv=None,
+    dtype=jnp.float32,
+    causal=False,
+    window=(-1, -1),
+    softcap=None,
+    with_sinks=False,
+    segments=None,
+    scale=None,
+    block_sizes=SMALL,
+):
     dv = dv or d
     q, k, v, do, sinks = _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks)
     qs, ks = segments if segments is not None else (None, None)
-    kw = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=scale,
-              q_segment_ids=qs, kv_segment_ids=ks)
+    kw = dict(
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        softmax_scale=scale,
+        q_segment_ids=qs,
+        kv_segment_ids=ks,
+    )
 
     def kern(q, k, v, s):
-        return fa.flash_attention(q, k, v, sinks=s, block_sizes=block_sizes, interpret=True,
-                                  return_lse=True, **kw)
+        return fa.flash_attention(
+            q, k, v, sinks=s, block_sizes=block_sizes, interpret=True, return_lse=True, **kw
+        )
 
     def refn(q, k, v, s):
         return ref.attention_reference(q, k, v, sinks=s, **kw)
@@ -137,7 +186,7 @@ def _segment_ids(draw, b, sq, skv):
     qs = np.sort(rng.integers(0, n, (b, sq)), axis=1)
     ks = np.sort(rng.integers(0, n, (b, skv)), axis=1)
     if draw(st.booleans()):
-        qs[:, -min(5, sq):] = n + 1  # a segment only queries have: rows see nothing
+        qs[:, -min(5, sq) :] = n + 1  # a segment only queries have: rows see nothing
     return jnp.asarray(qs, jnp.int32), jnp.asarray(ks, jnp.int32)
 
 
@@ -184,11 +233,9 @@ def test_dense_matches_reference(case):
 # Targeted cases.
 
 
-@pytest.mark.parametrize("d,dv", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128),
-                                  (256, 256)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256)])
 def test_head_dims(d, dv):
-    _dense_case(seed=d, hq=2, hkv=1, sq=130, skv=140, d=d, dv=dv, dtype=jnp.bfloat16,
-                causal=True)
+    _dense_case(seed=d, hq=2, hkv=1, sq=130, skv=140, d=d, dv=dv, dtype=jnp.bfloat16, causal=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -196,8 +243,9 @@ def test_head_dims(d, dv):
 def test_softmax_scale_reaches_every_kernel(dtype, scale):
     # A scale other than 1/sqrt(D), through the forward, dK/dV and dQ kernels
     # (masked and unmasked pairs, GQA, softcap so the scale sits inside tanh).
-    _dense_case(seed=11, hq=4, hkv=2, sq=200, skv=260, dtype=dtype, causal=True, softcap=5.0,
-                scale=scale)
+    _dense_case(
+        seed=11, hq=4, hkv=2, sq=200, skv=260, dtype=dtype, causal=True, softcap=5.0, scale=scale
+    )
 
 
 def test_gqa_8_causal_cross_lengths_f32():
@@ -215,8 +263,9 @@ def test_decode_layout_multiple_row_blocks_with_sinks():
     # Decode layout, rows = Sq * G = 600 split in 128-row blocks; G = 6 does
     # not divide the block, so sinks must follow the global row's head.
     bs = tiling.BlockSizes(block_q=16, block_kv=128, block_q_bwd=16, block_kv_bwd=128)
-    _dense_case(hq=6, hkv=1, sq=100, skv=170, causal=True, window=(60, -1), with_sinks=True,
-                block_sizes=bs)
+    _dense_case(
+        hq=6, hkv=1, sq=100, skv=170, causal=True, window=(60, -1), with_sinks=True, block_sizes=bs
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -227,8 +276,16 @@ def test_segment_ids_no_cross_attention(dtype):
     ks = jnp.asarray(np.sort(rng.integers(0, 4, (b, skv)), axis=1), jnp.int32)
     # Segment 5 exists only in q: those rows must output exactly 0.
     qs = qs.at[:, -7:].set(5)
-    o, grads = _dense_case(b=b, sq=sq, skv=skv, causal=True, segments=(qs, ks), with_sinks=False,
-                           dtype=dtype, scale=0.3)
+    o, grads = _dense_case(
+        b=b,
+        sq=sq,
+        skv=skv,
+        causal=True,
+        segments=(qs, ks),
+        with_sinks=False,
+        dtype=dtype,
+        scale=0.3,
+    )
     np.testing.assert_array_equal(np.asarray(o[:, :, -7:], np.float32), 0.0)
     np.testing.assert_array_equal(np.asarray(grads[0][:, :, -7:], np.float32), 0.0)
 
@@ -262,10 +319,17 @@ def varlen_cases(draw):
         lk[-1] = 1
     group = draw(st.sampled_from([1, 2, 4]))
     win = draw(st.sampled_from([(-1, -1), (16, -1), (20, 4)]))
-    return dict(lq=lq, lk=lk, group=group, causal=draw(st.booleans()), window=win,
-                with_sinks=draw(st.booleans()), scale=draw(st.sampled_from(SCALES)),
-                softcap=draw(st.sampled_from([None, 5.0])),
-                dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])))
+    return dict(
+        lq=lq,
+        lk=lk,
+        group=group,
+        causal=draw(st.booleans()),
+        window=win,
+        with_sinks=draw(st.booleans()),
+        scale=draw(st.sampled_from(SCALES)),
+        softcap=draw(st.sampled_from([None, 5.0])),
+        dtype=draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
+    )
 
 
 def _packed_mask(lq, lk, causal, window):
@@ -274,13 +338,13 @@ def _packed_mask(lq, lk, causal, window):
     m = np.zeros((cq[-1], ck[-1]), bool)
     for s in range(len(lq)):
         if lq[s] and lk[s]:
-            m[cq[s]:cq[s + 1], ck[s]:ck[s + 1]] = np.asarray(
-                ref.visibility_mask(lq[s], lk[s], causal=causal, window_size=window))[0]
+            m[cq[s] : cq[s + 1], ck[s] : ck[s + 1]] = np.asarray(
+                ref.visibility_mask(lq[s], lk[s], causal=causal, window_size=window)
+            )[0]
     return m
 
 
-def _packed_reference(q, k, v, mask, *, sinks=None, softmax_scale=None, softcap=None,
-                      probs=False):
+def _packed_reference(q, k, v, mask, *, sinks=None, softmax_scale=None, softcap=None, probs=False):
     """attention_reference's f32 math over all packed tokens at once, one [Tq, Tk]
     mask (one XLA program, where a per-sequence loop compiles one per sequence).
 
@@ -323,14 +387,31 @@ def test_packed_reference_matches_the_per_sequence_reference():
     kw = dict(causal=True, window_size=(3, -1))
     cq, ck = np.cumsum([0, *lq]), np.cumsum([0, *lk])
     want = ref.attention_reference_varlen(q, k, v, cq, ck, sinks=sinks, softcap=4.0, **kw)
-    got = _packed_reference(q, k, v, _packed_mask(lq, lk, **{"causal": True, "window": (3, -1)}),
-                            sinks=sinks, softcap=4.0)
+    got = _packed_reference(
+        q,
+        k,
+        v,
+        _packed_mask(lq, lk, **{"causal": True, "window": (3, -1)}),
+        sinks=sinks,
+        softcap=4.0,
+    )
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
-def _varlen_case(lq, lk, group=2, causal=True, window=(-1, -1), with_sinks=False,
-                 dtype=jnp.float32, d=64, scale=None, softcap=None, block_sizes=SMALL):
+def _varlen_case(
+    lq,
+    lk,
+    group=2,
+    causal=True,
+    window=(-1, -1),
+    with_sinks=False,
+    dtype=jnp.float32,
+    d=64,
+    scale=None,
+    softcap=None,
+    block_sizes=SMALL,
+):
     cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
     tq, tk, hkv = int(cq[-1]), int(ck[-1]), 2
@@ -341,9 +422,20 @@ def _varlen_case(lq, lk, group=2, causal=True, window=(-1, -1), with_sinks=False
     kw = dict(causal=causal, window_size=window, softmax_scale=scale, softcap=softcap)
 
     def kern(q, k, v, s):
-        return fa.flash_attention_varlen(q, k, v, jnp.asarray(cq), jnp.asarray(ck), max(lq),
-                                         max(lk), sinks=s, block_sizes=block_sizes,
-                                         interpret=True, return_lse=True, **kw)
+        return fa.flash_attention_varlen(
+            q,
+            k,
+            v,
+            jnp.asarray(cq),
+            jnp.asarray(ck),
+            max(lq),
+            max(lk),
+            sinks=s,
+            block_sizes=block_sizes,
+            interpret=True,
+            return_lse=True,
+            **kw,
+        )
 
     mask = _packed_mask(lq, lk, causal, window)
     rkw = dict(softmax_scale=scale, softcap=softcap)
@@ -361,13 +453,25 @@ def _varlen_case(lq, lk, group=2, causal=True, window=(-1, -1), with_sinks=False
         return np.swapaxes(x[0], 0, 1)
 
     eff_scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    o, grads = _check_all(kern, refn, probs, q, k, v, do, sinks, dtype, eff_scale,
-                          to_dense=to_dense, from_dense=from_dense)
+    o, grads = _check_all(
+        kern,
+        refn,
+        probs,
+        q,
+        k,
+        v,
+        do,
+        sinks,
+        dtype,
+        eff_scale,
+        to_dense=to_dense,
+        from_dense=from_dense,
+    )
     # Queries of sequences without keys: exactly zero output and gradient.
     for s in range(len(lq)):
         if lk[s] == 0 and lq[s] > 0:
-            np.testing.assert_array_equal(np.asarray(o[cq[s]:cq[s + 1]], np.float32), 0.0)
-            np.testing.assert_array_equal(np.asarray(grads[0][cq[s]:cq[s + 1]], np.float32), 0.0)
+            np.testing.assert_array_equal(np.asarray(o[cq[s] : cq[s + 1]], np.float32), 0.0)
+            np.testing.assert_array_equal(np.asarray(grads[0][cq[s] : cq[s + 1]], np.float32), 0.0)
 
 
 @settings(max_examples=6, **HYP)
@@ -392,8 +496,16 @@ def test_varlen_many_sequences_some_empty():
     lq[7], lk[7] = 6, 0
     lq[11], lk[11] = 0, 0
     lq[15], lk[15] = 1, 1
-    _varlen_case(lq, lk, group=2, causal=True, window=(12, -1), with_sinks=True,
-                 dtype=jnp.bfloat16, scale=0.2)
+    _varlen_case(
+        lq,
+        lk,
+        group=2,
+        causal=True,
+        window=(12, -1),
+        with_sinks=True,
+        dtype=jnp.bfloat16,
+        scale=0.2,
+    )
 
 
 def test_varlen_jit_traced_cu_seqlens():
@@ -402,11 +514,15 @@ def test_varlen_jit_traced_cu_seqlens():
     q = jax.random.normal(jax.random.PRNGKey(1), (90, 2, 64), jnp.float32)
     k = jax.random.normal(jax.random.PRNGKey(2), (150, 1, 64), jnp.float32)
     v = jax.random.normal(jax.random.PRNGKey(3), (150, 1, 64), jnp.float32)
-    f = jax.jit(lambda q, k, v, cq, ck: fa.flash_attention_varlen(
-        q, k, v, cq, ck, 87, 130, causal=True, block_sizes=SMALL, interpret=True))
+    f = jax.jit(
+        lambda q, k, v, cq, ck: fa.flash_attention_varlen(
+            q, k, v, cq, ck, 87, 130, causal=True, block_sizes=SMALL, interpret=True
+        )
+    )
     out = f(q, k, v, cq, ck)
-    expected, _ = ref.attention_reference_varlen(q, k, v, np.asarray(cq), np.asarray(ck),
-                                                 causal=True)
+    expected, _ = ref.attention_reference_varlen(
+        q, k, v, np.asarray(cq), np.asarray(ck), causal=True
+    )
     eye = jnp.broadcast_to(jnp.eye(150, dtype=jnp.float32)[:, None, :], (150, 1, 150))
     p, _ = ref.attention_reference_varlen(q, k, eye, np.asarray(cq), np.asarray(ck), causal=True)
     mag = jnp.einsum("qhk,khd->qhd", p, jnp.abs(jnp.repeat(v, 2, axis=1)), precision="highest")
@@ -440,27 +556,38 @@ def _visible_blocks(geom, group, q_offset, causal, window, seq_major):
     full = np.zeros((nq, nk), bool)
     for i in range(nq):
         for j in range(nk):
-            blk = m[i * geom.block_pos:(i + 1) * geom.block_pos,
-                    j * geom.block_kv:(j + 1) * geom.block_kv]
+            blk = m[
+                i * geom.block_pos : (i + 1) * geom.block_pos,
+                j * geom.block_kv : (j + 1) * geom.block_kv,
+            ]
             vis[i, j] = blk.any()
-            full[i, j] = (blk.all() and blk.shape == (geom.block_pos, geom.block_kv))
+            full[i, j] = blk.all() and blk.shape == (geom.block_pos, geom.block_kv)
     return vis, full
 
 
-@pytest.mark.parametrize("sq,skv,group,causal,window,block_q", [
-    (1000, 1000, 1, True, (-1, -1), 128),
-    (700, 1300, 4, True, (200, -1), 128),
-    (1300, 700, 2, True, (-1, -1), 256),
-    (900, 900, 1, False, (100, 50), 128),
-    (900, 900, 1, False, (-1, -1), 128),
-    (60, 1000, 4, True, (300, -1), 16),  # decode layout
-])
+@pytest.mark.parametrize(
+    "sq,skv,group,causal,window,block_q",
+    [
+        (1000, 1000, 1, True, (-1, -1), 128),
+        (700, 1300, 4, True, (200, -1), 128),
+        (1300, 700, 2, True, (-1, -1), 256),
+        (900, 900, 1, False, (100, 50), 128),
+        (900, 900, 1, False, (-1, -1), 128),
+        (60, 1000, 4, True, (300, -1), 16),  # decode layout
+    ],
+)
 def test_schedule_visits_exactly_visible_pairs(sq, skv, group, causal, window, block_q):
     geom = tiling.geometry(block_q, 128, q_len=sq, kv_len=skv, group=group, max_rows=4096)
     q_offset = skv - sq
     vis, full = _visible_blocks(geom, group, q_offset, causal, window, geom.seq_major)
-    kw = dict(q_offset=q_offset, group=group, causal=causal, left=window[0], right=window[1],
-              segmented=False)
+    kw = dict(
+        q_offset=q_offset,
+        group=group,
+        causal=causal,
+        left=window[0],
+        right=window[1],
+        segmented=False,
+    )
     rows_sched, cols_sched = bsched.dense_schedules(geom, geom, **kw)
     for sched, q_major in ((rows_sched, True), (cols_sched, False)):
         outer, inner, flags = bsched.decode_word(sched)
@@ -479,12 +606,15 @@ def test_schedule_visits_exactly_visible_pairs(sq, skv, group, causal, window, b
         assert np.all(np.diff(outer) >= 0)
 
 
-@pytest.mark.parametrize("sq,skv,causal,window,block,sub", [
-    (1000, 1000, True, (-1, -1), 512, 128),
-    (700, 1300, True, (200, -1), 512, 256),
-    (1300, 700, True, (-1, -1), 256, 128),
-    (900, 900, False, (100, 50), 512, 128),
-])
+@pytest.mark.parametrize(
+    "sq,skv,causal,window,block,sub",
+    [
+        (1000, 1000, True, (-1, -1), 512, 128),
+        (700, 1300, True, (200, -1), 512, 256),
+        (1300, 700, True, (-1, -1), 256, 128),
+        (900, 900, False, (100, 50), 512, 128),
+    ],
+)
 def test_sub_tiles_cover_exactly_the_visible_ones(sq, skv, causal, window, block, sub):
     geom = tiling.geometry(block, block, q_len=sq, kv_len=skv, group=1, max_rows=4096)
     tiles = bsched.sub_tiles(geom, sub, eligible=True)
@@ -494,17 +624,22 @@ def test_sub_tiles_cover_exactly_the_visible_ones(sq, skv, causal, window, block
     for i in range(geom.num_q_blocks):
         for j in range(geom.num_kv_blocks):
             for a in range(block // sub):
-                lo, hi = bsched.chunk_bounds(i, j, a, geom=geom, sub=tiles, q_offset=skv - sq,
-                                             left=left, right=right)
+                lo, hi = bsched.chunk_bounds(
+                    i, j, a, geom=geom, sub=tiles, q_offset=skv - sq, left=left, right=right
+                )
                 r0 = i * block + a * sub
-                want = [c for c in range(block // sub)
-                        if m[r0:r0 + sub, j * block + c * sub:j * block + (c + 1) * sub].any()]
+                want = [
+                    c
+                    for c in range(block // sub)
+                    if m[r0 : r0 + sub, j * block + c * sub : j * block + (c + 1) * sub].any()
+                ]
                 assert list(range(int(lo), int(hi))) == want, (i, j, a)
 
 
 def _issued_over_useful(t, d, generation, group=4):
-    plan = tiling.plan(generation=generation, q_len=t, kv_len=t, group=group, head_dim=d,
-                       head_dim_v=d, itemsize=2)
+    plan = tiling.plan(
+        generation=generation, q_len=t, kv_len=t, group=group, head_dim=d, head_dim_v=d, itemsize=2
+    )
     kw = dict(q_offset=0, group=group, causal=True, left=-1, right=-1, segmented=False)
     (fwd,) = bsched.dense_schedules(plan.fwd, None, **kw)
     dq, dkdv = bsched.dense_schedules(plan.dq, plan.dkdv, **kw)
@@ -538,8 +673,11 @@ MANY_Q = [int(x) for x in _RNG_SEQ.integers(0, 60, 25)]
 MANY_K = [int(x) for x in _RNG_SEQ.integers(0, 60, 25)]
 
 
-@pytest.mark.parametrize("lq,lk", [([5, 0, 1, 300, 40, 129], [7, 3, 0, 250, 400, 129]),
-                                   (MANY_Q, MANY_K)], ids=["long", "many"])
+@pytest.mark.parametrize(
+    "lq,lk",
+    [([5, 0, 1, 300, 40, 129], [7, 3, 0, 250, 400, 129]), (MANY_Q, MANY_K)],
+    ids=["long", "many"],
+)
 def test_varlen_schedule_bound_and_coverage(lq, lk):
     """Data-dependent schedules: every visible (q block, kv block) pair is computed,
     once, and nothing outside each q block's hull of visible kv blocks is; the
@@ -550,19 +688,29 @@ def test_varlen_schedule_bound_and_coverage(lq, lk):
     for causal, window in ((True, (-1, -1)), (False, (30, 10)), (False, (-1, -1))):
         geom = tiling.geometry(128, 128, q_len=tq, kv_len=tk, group=1, max_rows=4096)
         seg, pos, (rows, cols) = bsched.varlen_schedules(
-            cq, ck, tq, tk, geom, geom, group=1, causal=causal, left=window[0],
-            right=window[1], max_seqlen_k=max(lk))
+            cq,
+            ck,
+            tq,
+            tk,
+            geom,
+            geom,
+            group=1,
+            causal=causal,
+            left=window[0],
+            right=window[1],
+            max_seqlen_k=max(lk),
+        )
         vis_tok = _packed_mask(lq, lk, causal, window)  # the reference's per-sequence masks
         nq, nk = geom.num_q_blocks, geom.num_kv_blocks
         vis = np.zeros((nq, nk), bool)
         for i in range(nq):
             for j in range(nk):
-                vis[i, j] = vis_tok[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].any()
+                vis[i, j] = vis_tok[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].any()
         hull = np.zeros_like(vis)
         for i in range(nq):
             if vis[i].any():
                 js = np.flatnonzero(vis[i])
-                hull[i, js[0]:js[-1] + 1] = True
+                hull[i, js[0] : js[-1] + 1] = True
         step_bound = bsched.varlen_step_bound(nq, nk, 128, max(lk))
         for sched, q_major in ((rows, True), (cols, False)):
             assert len(sched) == step_bound + (0 if q_major else nk)
@@ -589,22 +737,39 @@ def test_table_fits_vmem(generation):
         for group in (1, 2, 4, 8, 16):
             for q_len, kv_len in ((1, 32768), (100, 5000), (1024, 1024), (32768, 32768)):
                 for itemsize in (2, 4):
-                    plan = tiling.plan(generation=generation, q_len=q_len, kv_len=kv_len,
-                                       group=group, head_dim=d, head_dim_v=dv,
-                                       itemsize=itemsize)
+                    plan = tiling.plan(
+                        generation=generation,
+                        q_len=q_len,
+                        kv_len=kv_len,
+                        group=group,
+                        head_dim=d,
+                        head_dim_v=dv,
+                        itemsize=itemsize,
+                    )
                     budget = tiling.VMEM_BUDGET_BYTES[generation]
-                    for geom, est in ((plan.fwd, tiling.fwd_vmem_bytes),
-                                      (plan.dkdv, tiling.dkdv_vmem_bytes),
-                                      (plan.dq, tiling.dq_vmem_bytes)):
+                    for geom, est in (
+                        (plan.fwd, tiling.fwd_vmem_bytes),
+                        (plan.dkdv, tiling.dkdv_vmem_bytes),
+                        (plan.dq, tiling.dq_vmem_bytes),
+                    ):
                         assert est(geom.rows, geom.block_kv, d, dv, itemsize) <= budget
 
 
 def test_oversized_block_sizes_raise_with_need_and_budget():
-    bs = tiling.BlockSizes(block_q=4096, block_kv=8192, block_q_bwd=4096, block_kv_bwd=8192,
-                           max_rows=16384)
+    bs = tiling.BlockSizes(
+        block_q=4096, block_kv=8192, block_q_bwd=4096, block_kv_bwd=8192, max_rows=16384
+    )
     with pytest.raises(ValueError, match=r"needs about [\d.]+ MiB .* tpu7x budget is 48.0 MiB"):
-        tiling.plan(generation="tpu7x", q_len=32768, kv_len=32768, group=4, head_dim=128,
-                    head_dim_v=128, itemsize=2, block_sizes=bs)
+        tiling.plan(
+            generation="tpu7x",
+            q_len=32768,
+            kv_len=32768,
+            group=4,
+            head_dim=128,
+            head_dim_v=128,
+            itemsize=2,
+            block_sizes=bs,
+        )
 
 
 def test_block_sizes_validation():
@@ -622,25 +787,81 @@ def _arr(*shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(q=_arr(1, 6, 8, 64), k=_arr(1, 4, 8, 64), v=_arr(1, 4, 8, 64)), "k: expected a number of kv heads"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 128), v=_arr(1, 2, 8, 128)), "k: expected head_dim 64"),
-    (dict(q=_arr(1, 4, 8, 72), k=_arr(1, 2, 8, 72), v=_arr(1, 2, 8, 72)), "q: expected head_dim in"),
-    (dict(q=_arr(1, 4, 8, 64, dtype=jnp.int8), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64)), "q: expected dtype"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64, dtype=jnp.float32), v=_arr(1, 2, 8, 64)), "q, k, v: expected one dtype"),
-    (dict(q=_arr(4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64)), "q: expected a rank-4"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 9, 64), v=_arr(1, 2, 8, 64)), "v: expected sequence length 9"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), sinks=_arr(3, dtype=jnp.float32)), "sinks: expected shape"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), window_size=(-2, 0)), "window_size"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), softcap=-1.0), "softcap"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), q_segment_ids=_arr(1, 8, dtype=jnp.int32)), "q_segment_ids, kv_segment_ids"),
-    (dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), q_segment_ids=_arr(1, 7, dtype=jnp.int32), kv_segment_ids=_arr(1, 8, dtype=jnp.int32)), "q_segment_ids: expected shape"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(q=_arr(1, 6, 8, 64), k=_arr(1, 4, 8, 64), v=_arr(1, 4, 8, 64)),
+            "k: expected a number of kv heads",
+        ),
+        (
+            dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 128), v=_arr(1, 2, 8, 128)),
+            "k: expected head_dim 64",
+        ),
+        (
+            dict(q=_arr(1, 4, 8, 72), k=_arr(1, 2, 8, 72), v=_arr(1, 2, 8, 72)),
+            "q: expected head_dim in",
+        ),
+        (
+            dict(q=_arr(1, 4, 8, 64, dtype=jnp.int8), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64)),
+            "q: expected dtype",
+        ),
+        (
+            dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64, dtype=jnp.float32), v=_arr(1, 2, 8, 64)),
+            "q, k, v: expected one dtype",
+        ),
+        (dict(q=_arr(4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64)), "q: expected a rank-4"),
+        (
+            dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 9, 64), v=_arr(1, 2, 8, 64)),
+            "v: expected sequence length 9",
+        ),
+        (
+            dict(
+                q=_arr(1, 4, 8, 64),
+                k=_arr(1, 2, 8, 64),
+                v=_arr(1, 2, 8, 64),
+                sinks=_arr(3, dtype=jnp.float32),
+            ),
+            "sinks: expected shape",
+        ),
+        (
+            dict(
+                q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), window_size=(-2, 0)
+            ),
+            "window_size",
+        ),
+        (
+            dict(q=_arr(1, 4, 8, 64), k=_arr(1, 2, 8, 64), v=_arr(1, 2, 8, 64), softcap=-1.0),
+            "softcap",
+        ),
+        (
+            dict(
+                q=_arr(1, 4, 8, 64),
+                k=_arr(1, 2, 8, 64),
+                v=_arr(1, 2, 8, 64),
+                q_segment_ids=_arr(1, 8, dtype=jnp.int32),
+            ),
+            "q_segment_ids, kv_segment_ids",
+        ),
+        (
+            dict(
+                q=_arr(1, 4, 8, 64),
+                k=_arr(1, 2, 8, 64),
+                v=_arr(1, 2, 8, 64),
+                q_segment_ids=_arr(1, 7, dtype=jnp.int32),
+                kv_segment_ids=_arr(1, 8, dtype=jnp.int32),
+            ),
+            "q_segment_ids: expected shape",
+        ),
+    ],
+)
 def test_bad_dense_inputs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         checks.check_inputs(**kwargs)
-    concrete = {n: (jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x)
-                for n, x in kwargs.items()}
+    concrete = {
+        n: (jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x)
+        for n, x in kwargs.items()
+    }
     with pytest.raises(ValueError, match=match):  # the public entry validates first
         fa.flash_attention(**concrete, interpret=True)
 
@@ -664,5 +885,9 @@ def test_bad_varlen_inputs():
 
 def test_dropout_not_supported():
     with pytest.raises(NotImplementedError, match="dropout"):
-        checks.check_inputs(jnp.zeros((1, 2, 8, 64)), jnp.zeros((1, 2, 8, 64)),
-                            jnp.zeros((1, 2, 8, 64)), dropout_p=0.1)
+        checks.check_inputs(
+            jnp.zeros((1, 2, 8, 64)),
+            jnp.zeros((1, 2, 8, 64)),
+            jnp.zeros((1, 2, 8, 64)),
+            dropout_p=0.1,
+        )

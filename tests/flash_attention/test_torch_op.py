@@ -23,6 +23,7 @@ import flash_attention_tpu as fa
 from flash_attention_tpu import ops
 from gate import meta_call
 from tolerances import ATTENTION_ROUNDINGS, assert_close, attention_magnitudes
+
 # The package's vendored bindings hold the switch its ops read: the top-level
 # `torch_bindings` is a different module object with its own state.
 from flash_attention_tpu._torch_bindings import cpu_impl
@@ -30,8 +31,9 @@ from flash_attention_tpu._torch_bindings import cpu_impl
 IMPLS = ["interpret", "reference"]
 
 
-def attention_torch(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, sinks=None, scale=None,
-                    key_valid=None):
+def attention_torch(
+    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, sinks=None, scale=None, key_valid=None
+):
     """q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D] -> [B, Sq, Hq, Dv], f32. Bottom-right aligned;
     key_valid [B, Skv] bool hides padded keys. Rows that see nothing give 0."""
     b, sq, hq, d = q.shape
@@ -118,11 +120,20 @@ def _check(impl, fn_ours, fn_ref, inputs, dtype, dy_shape, seed, *, scale, packe
         p = fn_ref(q, k, eye, sinks)
     dense = _packed if packed else _bshd_to_dense
     back = (lambda x: np.swapaxes(x[0], 0, 1)) if packed else (lambda x: np.swapaxes(x, 1, 2))
-    mags = attention_magnitudes(dense(p), dense(q), dense(k), dense(v), dense(dy), None,
-                                None if sinks is None else sinks.detach(), scale)
+    mags = attention_magnitudes(
+        dense(p),
+        dense(q),
+        dense(k),
+        dense(v),
+        dense(dy),
+        None,
+        None if sinks is None else sinks.detach(),
+        scale,
+    )
     rnd = (lambda n: ATTENTION_ROUNDINGS[n]) if dtype == torch.bfloat16 else (lambda n: 0)
-    assert_close(out, ref, dtype=dtype, magnitude=back(mags["out"]), roundings=rnd("out"),
-                 what="out")
+    assert_close(
+        out, ref, dtype=dtype, magnitude=back(mags["out"]), roundings=rnd("out"), what="out"
+    )
     for name, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
         assert g.dtype == dtype
         mag = mags[name] if name == "dsinks" else back(mags[name])
@@ -133,11 +144,20 @@ def _check(impl, fn_ours, fn_ref, inputs, dtype, dy_shape, seed, *, scale, packe
 def dense_problems(draw):
     hq, hkv = draw(st.sampled_from([(2, 2), (4, 2), (4, 1)]))
     return dict(
-        b=draw(st.integers(1, 2)), hq=hq, hkv=hkv, sq=draw(st.integers(1, 20)), skv=draw(st.integers(1, 20)),
-        d=draw(st.sampled_from([64, 80])), dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
-        causal=draw(st.booleans()), window=draw(st.sampled_from([(-1, -1), (3, 0), (2, 1), (-1, 2)])),
-        softcap=draw(st.sampled_from([0.0, 0.0, 2.5])), sinks=draw(st.booleans()),
-        scale=draw(st.sampled_from([None, 0.3])), seed=draw(st.integers(0, 99)))
+        b=draw(st.integers(1, 2)),
+        hq=hq,
+        hkv=hkv,
+        sq=draw(st.integers(1, 20)),
+        skv=draw(st.integers(1, 20)),
+        d=draw(st.sampled_from([64, 80])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        causal=draw(st.booleans()),
+        window=draw(st.sampled_from([(-1, -1), (3, 0), (2, 1), (-1, 2)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 2.5])),
+        sinks=draw(st.booleans()),
+        scale=draw(st.sampled_from([None, 0.3])),
+        seed=draw(st.integers(0, 99)),
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -150,21 +170,42 @@ def test_flash_attn_func_and_grads_match_torch(impl, p):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dt).requires_grad_()
 
-    q, k, v = rnd(p["b"], p["sq"], p["hq"], p["d"]), rnd(p["b"], p["skv"], p["hkv"], p["d"]), \
-        rnd(p["b"], p["skv"], p["hkv"], p["d"])
+    q, k, v = (
+        rnd(p["b"], p["sq"], p["hq"], p["d"]),
+        rnd(p["b"], p["skv"], p["hkv"], p["d"]),
+        rnd(p["b"], p["skv"], p["hkv"], p["d"]),
+    )
     sinks = rnd(p["hq"]) if p["sinks"] else None
-    kw = dict(causal=p["causal"], window_size=p["window"], softcap=p["softcap"], softmax_scale=p["scale"])
+    kw = dict(
+        causal=p["causal"], window_size=p["window"], softcap=p["softcap"], softmax_scale=p["scale"]
+    )
 
     def ours(q, k, v, s):
         return fa.flash_attn_func(q, k, v, s_aux=s, **kw)
 
     def ref(q, k, v, s):
-        return attention_torch(q, k, v, causal=p["causal"], window=p["window"], softcap=p["softcap"],
-                               sinks=s, scale=p["scale"])
+        return attention_torch(
+            q,
+            k,
+            v,
+            causal=p["causal"],
+            window=p["window"],
+            softcap=p["softcap"],
+            sinks=s,
+            scale=p["scale"],
+        )
 
     scale = p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["d"])
-    _check(impl, ours, ref, [q, k, v, sinks], dt, (p["b"], p["sq"], p["hq"], p["d"]), p["seed"],
-           scale=scale)
+    _check(
+        impl,
+        ours,
+        ref,
+        [q, k, v, sinks],
+        dt,
+        (p["b"], p["sq"], p["hq"], p["d"]),
+        p["seed"],
+        scale=scale,
+    )
 
 
 VARLEN_CASES = [
@@ -194,14 +235,24 @@ def test_flash_attn_varlen_func_and_grads_match_torch(impl, case):
     max_q, max_k = torch.tensor(max(lq)), max(lk)
 
     def ours(q, k, v, s):
-        return fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                         window_size=window, s_aux=s)
+        return fa.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window, s_aux=s
+        )
 
     def ref(q, k, v, s):
         return attention_torch_varlen(q, k, v, cu_q, cu_k, causal=causal, window=window, sinks=s)
 
-    _check(impl, ours, ref, [q, k, v, sinks], dt, (sum(lq), hq, d), 0, scale=1.0 / math.sqrt(d),
-           packed=True)
+    _check(
+        impl,
+        ours,
+        ref,
+        [q, k, v, sinks],
+        dt,
+        (sum(lq), hq, d),
+        0,
+        scale=1.0 / math.sqrt(d),
+        packed=True,
+    )
 
 
 class _Attn(torch.nn.Module):
@@ -220,20 +271,38 @@ def _bhsd(*shape, gen):
 def test_attention_forward_padding_masks_and_sinks(mask_kind):
     gen = torch.Generator().manual_seed(7)
     b, hq, hkv, s, d, window = 2, 4, 2, 9, 64, 5
-    q, k, v = _bhsd(b, hq, s, d, gen=gen), _bhsd(b, hkv, s, d, gen=gen), _bhsd(b, hkv, s, d, gen=gen)
+    q, k, v = (
+        _bhsd(b, hq, s, d, gen=gen),
+        _bhsd(b, hkv, s, d, gen=gen),
+        _bhsd(b, hkv, s, d, gen=gen),
+    )
     module = _Attn(sinks=torch.randn(hq, generator=gen))
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[0, :3] = False  # left padding
     qi, kj = torch.arange(s)[:, None], torch.arange(s)[None, :]
     allowed = (kj <= qi) & (kj > qi - window)
     allowed = allowed[None, None] & valid[:, None, None, :]
-    mask = {"none": None, "2d": valid.long(), "4d_bool": allowed,
-            "4d_float": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)}[mask_kind]
+    mask = {
+        "none": None,
+        "2d": valid.long(),
+        "4d_bool": allowed,
+        "4d_float": torch.zeros(allowed.shape).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min
+        ),
+    }[mask_kind]
     key_valid = None if mask_kind == "none" else valid
     out, attn = fa.attention_forward(module, q, k, v, mask, scaling=0.2, sliding_window=window)
     assert attn is None and out.shape == (b, s, hq, d)
-    want = attention_torch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                           window=(window - 1, window - 1), sinks=module.sinks, scale=0.2, key_valid=key_valid)
+    want = attention_torch(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        causal=True,
+        window=(window - 1, window - 1),
+        sinks=module.sinks,
+        scale=0.2,
+        key_valid=key_valid,
+    )
     torch.testing.assert_close(out, want.detach(), atol=2e-5, rtol=2e-5)
 
 
@@ -261,8 +330,15 @@ def test_attention_forward_packed_sequences(source):
     else:  # positions restart at each packed sequence
         kw = dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]))
     out, _ = fa.attention_forward(_Attn(), q, k, v, None, sliding_window=3, **kw)
-    want = attention_torch_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                                  causal=True, window=(2, 2))
+    want = attention_torch_varlen(
+        q[0].transpose(0, 1),
+        k[0].transpose(0, 1),
+        v[0].transpose(0, 1),
+        cu,
+        cu,
+        causal=True,
+        window=(2, 2),
+    )
     torch.testing.assert_close(out[0], want, atol=2e-5, rtol=2e-5)
     # One unpacked sequence: no segments, same as no position ids.
     single, _ = fa.attention_forward(_Attn(), q, k, v, None, position_ids=torch.arange(7)[None] + 5)
@@ -286,15 +362,25 @@ def test_torch_compile_fullgraph():
         return (dense * w).sum() + (packed * w[0]).sum().mul(0.5), dense
 
     ours = torch.compile(fullgraph=True, backend="aot_eager")(
-        lambda q, k, v, s: loss(q, k, v, s,
-                                lambda q, k, v, s: fa.flash_attn_func(q, k, v, causal=True, s_aux=s),
-                                lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4,
-                                                                          causal=True)))
+        lambda q, k, v, s: loss(
+            q,
+            k,
+            v,
+            s,
+            lambda q, k, v, s: fa.flash_attn_func(q, k, v, causal=True, s_aux=s),
+            lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True),
+        )
+    )
     out, dense = ours(q, k, v, sinks)
     grads = torch.autograd.grad(out, (q, k, v, sinks))
-    ref_out, ref_dense = loss(q, k, v, sinks,
-                              lambda q, k, v, s: attention_torch(q, k, v, causal=True, sinks=s),
-                              lambda q, k, v: attention_torch_varlen(q, k, v, cu, cu, causal=True))
+    ref_out, ref_dense = loss(
+        q,
+        k,
+        v,
+        sinks,
+        lambda q, k, v, s: attention_torch(q, k, v, causal=True, sinks=s),
+        lambda q, k, v: attention_torch_varlen(q, k, v, cu, cu, causal=True),
+    )
     ref_grads = torch.autograd.grad(ref_out, (q, k, v, sinks))
     torch.testing.assert_close(dense, ref_dense.detach(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-5)
@@ -312,19 +398,36 @@ def test_meta_tensors_give_shapes():
 
 
 def _qkv(hq=4, hkv=2, d=64, dk=None, dtype=torch.float32):
-    return (torch.randn(1, 5, hq, d, dtype=dtype), torch.randn(1, 5, hkv, dk or d, dtype=dtype),
-            torch.randn(1, 5, hkv, d, dtype=dtype))
+    return (
+        torch.randn(1, 5, hq, d, dtype=dtype),
+        torch.randn(1, 5, hkv, dk or d, dtype=dtype),
+        torch.randn(1, 5, hkv, d, dtype=dtype),
+    )
 
 
 BAD_DENSE = [
-    (lambda: (_qkv(hq=4, hkv=3), {}), ValueError, r"k: expected a number of kv heads dividing the 4 query heads"),
+    (
+        lambda: (_qkv(hq=4, hkv=3), {}),
+        ValueError,
+        r"k: expected a number of kv heads dividing the 4 query heads",
+    ),
     (lambda: (_qkv(dk=80), {}), ValueError, r"k: expected head_dim 64 like q, got 80"),
     (lambda: (_qkv(d=32, dk=32), {}), ValueError, r"q: expected head_dim in"),
-    (lambda: (_qkv(dtype=torch.float64), {}), ValueError, r"q: expected dtype in \(float32, bfloat16, float16\)"),
-    (lambda: ((_qkv()[0], *_qkv(dtype=torch.bfloat16)[1:]), {}), ValueError,
-     r"k: expected dtype torch.float32 \(same as q\)"),
-    (lambda: ((_qkv()[0], _qkv()[1].to("meta"), _qkv()[2]), {}), ValueError,
-     r"k: expected a tensor on cpu \(same device as q\)"),
+    (
+        lambda: (_qkv(dtype=torch.float64), {}),
+        ValueError,
+        r"q: expected dtype in \(float32, bfloat16, float16\)",
+    ),
+    (
+        lambda: ((_qkv()[0], *_qkv(dtype=torch.bfloat16)[1:]), {}),
+        ValueError,
+        r"k: expected dtype torch.float32 \(same as q\)",
+    ),
+    (
+        lambda: ((_qkv()[0], _qkv()[1].to("meta"), _qkv()[2]), {}),
+        ValueError,
+        r"k: expected a tensor on cpu \(same device as q\)",
+    ),
     (lambda: ((_qkv()[0][0], *_qkv()[1:]), {}), ValueError, r"q: expected 4 dimensions"),
     (lambda: (_qkv(), {"s_aux": torch.zeros(3)}), ValueError, r"sinks: expected shape \(4,\)"),
     (lambda: (_qkv(), {"window_size": (-2, 0)}), ValueError, r"window_size: expected values >= -1"),
@@ -344,13 +447,21 @@ def test_bad_dense_inputs_raise_clear_errors(make, exc, match):
 def test_bad_varlen_inputs_raise_clear_errors():
     q, k, v = torch.randn(6, 4, 64), torch.randn(6, 2, 64), torch.randn(6, 2, 64)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected nondecreasing offsets from 0 to 6"):
-        fa.flash_attn_varlen_func(q, k, v, torch.tensor([0, 4, 2, 6]), torch.tensor([0, 2, 4, 6]), 4, 4)
-    with pytest.raises(ValueError, match=r"cu_seqlens_k: expected nondecreasing offsets from 0 to 6"):
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens_q: expected nondecreasing offsets from 0 to 6"
+    ):
+        fa.flash_attn_varlen_func(
+            q, k, v, torch.tensor([0, 4, 2, 6]), torch.tensor([0, 2, 4, 6]), 4, 4
+        )
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens_k: expected nondecreasing offsets from 0 to 6"
+    ):
         fa.flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 4)
     with pytest.raises(ValueError, match=r"cu_seqlens_q: expected dtype in \(int32, int64\)"):
         fa.flash_attn_varlen_func(q, k, v, cu.float(), cu, 4, 4)
-    with pytest.raises(ValueError, match=r"max_seqlen_k: expected at least the longest sequence \(4 tokens"):
+    with pytest.raises(
+        ValueError, match=r"max_seqlen_k: expected at least the longest sequence \(4 tokens"
+    ):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 3)
     with pytest.raises(ValueError, match=r"cu_seqlens_k: expected a tensor on cpu"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu.to("meta"), 4, 4)
@@ -376,9 +487,19 @@ def test_transformers_passes_every_supported_option():
 
     process = _lazy_define_process_function(fa.flash_attn_varlen_func)
     sinks = torch.zeros(4)
-    kw = process(query_length=8, key_length=8, is_causal=True, dropout=0.0, softmax_scale=0.5,
-                 sliding_window=4, softcap=3.0, deterministic=True, s_aux=sinks,
-                 max_seqlen_q=torch.tensor(8), max_seqlen_k=torch.tensor(8))
+    kw = process(
+        query_length=8,
+        key_length=8,
+        is_causal=True,
+        dropout=0.0,
+        softmax_scale=0.5,
+        sliding_window=4,
+        softcap=3.0,
+        deterministic=True,
+        s_aux=sinks,
+        max_seqlen_q=torch.tensor(8),
+        max_seqlen_k=torch.tensor(8),
+    )
     assert kw["window_size"] == (3, 3) and kw["softcap"] == 3.0 and kw["s_aux"] is sinks
     assert kw["dropout_p"] == 0.0 and kw["deterministic"] is True and kw["causal"] is True
     assert "max_seqlen_q" in kw and "max_seqlen_k" in kw
@@ -395,5 +516,12 @@ def test_torch_ops_lower_through_torch_tpu_jax_op_on_meta():
     out = meta_call(ops._flash_attention, q, k, k, None, None, None, *statics)
     assert out.shape == q.shape and out.device.type == "meta"
     sinks = torch.empty(hq, dtype=torch.float32)
-    dq, dk, dv, dsinks = meta_call(ops._flash_attention.backward_op, q, q, k, k, sinks, None, None, *statics)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape and dsinks.shape == (hq,)
+    dq, dk, dv, dsinks = meta_call(
+        ops._flash_attention.backward_op, q, q, k, k, sinks, None, None, *statics
+    )
+    assert (
+        dq.shape == q.shape
+        and dk.shape == k.shape
+        and dv.shape == k.shape
+        and dsinks.shape == (hq,)
+    )

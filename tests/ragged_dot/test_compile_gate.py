@@ -39,9 +39,14 @@ PROJECTIONS = ["gate_up", "down"]
 POINTS = list(itertools.product(MODELS, PROJECTIONS, TOKENS, KERNELS, GENERATIONS))
 # COMPILE_GATE=subset (local runs only; CI runs the whole matrix): the former CI
 # subset, every generation and kernel, decode and prefill, K = 704 and 14336, N = 2880.
-SUBSET = [("qwen3_30b_a3b", "gate_up", 1), ("qwen3_30b_a3b", "down", 512),
-          ("gemma4_26b_a4b", "down", 8192), ("mixtral_8x7b", "down", 8),
-          ("gpt_oss_20b", "down", 64), ("gpt_oss_20b", "down", 8192)]
+SUBSET = [
+    ("qwen3_30b_a3b", "gate_up", 1),
+    ("qwen3_30b_a3b", "down", 512),
+    ("gemma4_26b_a4b", "down", 8192),
+    ("mixtral_8x7b", "down", 8),
+    ("gpt_oss_20b", "down", 64),
+    ("gpt_oss_20b", "down", 8192),
+]
 if os.environ.get("COMPILE_GATE") == "subset":
     POINTS = [p for p in POINTS if p[:3] in SUBSET]
 
@@ -61,10 +66,13 @@ KNOWN_FAILURES = {
 # of the 96 MiB limit (block_m 1024 or 512, block_n 1024); Mosaic needs more
 # and the compile fails with RESOURCE_EXHAUSTED CompileTimeScopedVmemOom. The
 # estimate leaves no headroom for Mosaic's own stack temporaries.
-KNOWN_FAILURES.update({
-    ("mixtral_8x7b", "down", t, "fwd", "v5e"): "Mixtral down fwd on v5e: Mosaic VMEM OOM, "
-    "tiling's estimate (95.6 of 96 MiB) undercounts" for t in (512, 8192)
-})
+KNOWN_FAILURES.update(
+    {
+        ("mixtral_8x7b", "down", t, "fwd", "v5e"): "Mixtral down fwd on v5e: Mosaic VMEM OOM, "
+        "tiling's estimate (95.6 of 96 MiB) undercounts"
+        for t in (512, 8192)
+    }
+)
 
 
 def _dims(model, projection):
@@ -100,9 +108,16 @@ def _id(point):
     return "-".join(str(x) for x in point)
 
 
-@pytest.mark.parametrize("point", [
-    pytest.param(pt, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[pt]))
-    if pt in KNOWN_FAILURES else pt for pt in POINTS], ids=_id)
+@pytest.mark.parametrize(
+    "point",
+    [
+        pytest.param(pt, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[pt]))
+        if pt in KNOWN_FAILURES
+        else pt
+        for pt in POINTS
+    ],
+    ids=_id,
+)
 def test_kernel_compiles(point, pool):
     pool.assert_ok(__file__, point)
 
@@ -112,15 +127,27 @@ def test_whole_moe_layer_fwd_and_grad_compile(generation):
     """Qwen3-30B-A3B experts layer, 64 tokens, torch weight layout, one program."""
     e, top_k, h, i = MODELS["qwen3_30b_a3b"]
     t = 64
-    kw = dict(num_experts=e, has_gate=True, is_transposed=False, is_concatenated=True,
-              activation="silu", config=generation)
+    kw = dict(
+        num_experts=e,
+        has_gate=True,
+        is_transposed=False,
+        is_concatenated=True,
+        activation="silu",
+        config=generation,
+    )
 
     def fn(hid, idx, w, gu, dn):
         out = moe_experts(hid, idx, w, gu, dn, **kw)
         loss = lambda hid, w, gu, dn: jnp.sum(
-            moe_experts(hid, idx, w, gu, dn, **kw).astype(jnp.float32))
+            moe_experts(hid, idx, w, gu, dn, **kw).astype(jnp.float32)
+        )
         return out, jax.grad(loss, argnums=(0, 1, 2, 3))(hid, w, gu, dn)
 
-    args = [spec((t, h)), spec((t, top_k), jnp.int32), spec((t, top_k)),
-            spec((e, 2 * i, h)), spec((e, h, i))]
+    args = [
+        spec((t, h)),
+        spec((t, top_k), jnp.int32),
+        spec((t, top_k)),
+        spec((e, 2 * i, h)),
+        spec((e, h, i)),
+    ]
     assert_compiles(fn, args, generation)

@@ -22,8 +22,14 @@ H, I, E, K, T = 32, 16, 6, 2, 7
 
 
 def _module(family):
-    from transformers import (DeepseekV3Config, Gemma4TextConfig, GptOssConfig, MixtralConfig,
-                              NemotronHConfig, Qwen3MoeConfig)
+    from transformers import (
+        DeepseekV3Config,
+        Gemma4TextConfig,
+        GptOssConfig,
+        MixtralConfig,
+        NemotronHConfig,
+        Qwen3MoeConfig,
+    )
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -36,15 +42,26 @@ def _module(family):
     elif family == "mixtral":
         m = MixtralExperts(MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E))
     elif family == "gemma4":
-        m = Gemma4TextExperts(Gemma4TextConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
-                                               hidden_activation="gelu_pytorch_tanh"))
+        m = Gemma4TextExperts(
+            Gemma4TextConfig(
+                hidden_size=H,
+                moe_intermediate_size=I,
+                num_experts=E,
+                hidden_activation="gelu_pytorch_tanh",
+            )
+        )
     elif family == "gpt_oss":
         m = GptOssExperts(GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E))
     elif family == "deepseek_v3":
-        m = DeepseekV3Experts(DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E))
+        m = DeepseekV3Experts(
+            DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E)
+        )
     elif family == "nemotron_h":
-        m = NemotronHExperts(NemotronHConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
-                                             mlp_hidden_act="relu2"))
+        m = NemotronHExperts(
+            NemotronHConfig(
+                hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, mlp_hidden_act="relu2"
+            )
+        )
     else:
         raise AssertionError(family)
     # A stable seed (hash() of a str changes per process): failures reproduce.
@@ -83,8 +100,9 @@ def _run(fn, module, hidden, idx, w, ct):
     hidden = hidden.detach().requires_grad_()
     w = w.detach().requires_grad_()
     out = fn(module, hidden, idx, w)
-    grads = torch.autograd.grad(out, [hidden, w, *module.parameters()], ct.to(out.dtype),
-                                allow_unused=True)
+    grads = torch.autograd.grad(
+        out, [hidden, w, *module.parameters()], ct.to(out.dtype), allow_unused=True
+    )
     return out, grads
 
 
@@ -150,12 +168,23 @@ def test_expert_parallel_shard_with_expert_offset(family):
 
     def by_offset(m, h, i, wt):  # the torch op itself, global ids and a non-zero offset
         gate_up, down, up_bias, down_bias = experts_mod._weights(m)
-        return rd_ops._moe_experts(h, idx, wt, gate_up, down, up_bias, down_bias, hi - lo,
-                                   bool(m.has_gate), bool(m.is_transposed),
-                                   bool(getattr(m, "is_concatenated", True)),
-                                   experts_mod._fused_activation(m), lo,
-                                   float(getattr(m, "alpha", 1.702)),
-                                   float(getattr(m, "limit", 7.0)))
+        return rd_ops._moe_experts(
+            h,
+            idx,
+            wt,
+            gate_up,
+            down,
+            up_bias,
+            down_bias,
+            hi - lo,
+            bool(m.has_gate),
+            bool(m.is_transposed),
+            bool(getattr(m, "is_concatenated", True)),
+            experts_mod._fused_activation(m),
+            lo,
+            float(getattr(m, "alpha", 1.702)),
+            float(getattr(m, "limit", 7.0)),
+        )
 
     ct = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(100))
     out_off, grads_off = _run(by_offset, shard, hidden, idx, w, ct)
@@ -217,13 +246,14 @@ def test_bf16_forward_and_gradients(family):
     for p, p16 in zip(ref_module.parameters(), module.parameters()):
         p.data = p16.detach().float()
     ref_out, ref_grads = _run(_reference, ref_module, hidden.float(), idx, w, ct.float())
-    mag_out, mag_grads = _run(_reference, _abs_module(ref_module), hidden.float().abs(), idx,
-                              w.abs(), ct.float().abs())
-    assert_close(out, ref_out, dtype=torch.bfloat16, magnitude=mag_out,
-                 roundings=BF16_ROUNDINGS, what="out")
+    mag_out, mag_grads = _run(
+        _reference, _abs_module(ref_module), hidden.float().abs(), idx, w.abs(), ct.float().abs()
+    )
+    assert_close(
+        out, ref_out, dtype=torch.bfloat16, magnitude=mag_out, roundings=BF16_ROUNDINGS, what="out"
+    )
     for name, g, r, mag in zip(_names(module), grads, ref_grads, mag_grads):
-        assert_close(g, r, dtype=torch.bfloat16, magnitude=mag, roundings=BF16_ROUNDINGS,
-                     what=name)
+        assert_close(g, r, dtype=torch.bfloat16, magnitude=mag, roundings=BF16_ROUNDINGS, what=name)
 
 
 class _OddGate(nn.Module):
@@ -235,8 +265,11 @@ def test_custom_gate_and_post_norm_take_the_unfused_path():
     output and every gradient, weights and router weights included."""
     module = _module("qwen3_moe")
     # A Python gate the fused op cannot express: a model-defined _apply_gate.
-    custom = type("CustomGateExperts", (type(module),), {
-        "_apply_gate": lambda self, x: torch.tanh(x[..., :I]) * x[..., I:] + 0.1})
+    custom = type(
+        "CustomGateExperts",
+        (type(module),),
+        {"_apply_gate": lambda self, x: torch.tanh(x[..., :I]) * x[..., I:] + 0.1},
+    )
     module.__class__ = custom
     assert experts_mod._fused_activation(module) is None
     hidden, idx, w = _routing(3)

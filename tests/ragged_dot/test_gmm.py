@@ -88,9 +88,11 @@ def _small_config(dtype, k, n, rows_per_tile_in_subs=1):
     sub = tiling.sublane(dtype)
     bm = rows_per_tile_in_subs * sub
     slab = lambda d: 128 if d % 128 == 0 and d > 128 else d  # noqa: E731
-    return tiling.RaggedDotConfig(tiling.GmmConfig(bm, slab(n), sub),
-                                  tiling.GmmConfig(bm, slab(k), sub),
-                                  tiling.TgmmConfig(bm, slab(k), slab(n), sub))
+    return tiling.RaggedDotConfig(
+        tiling.GmmConfig(bm, slab(n), sub),
+        tiling.GmmConfig(bm, slab(k), sub),
+        tiling.TgmmConfig(bm, slab(k), slab(n), sub),
+    )
 
 
 @st.composite
@@ -135,17 +137,20 @@ def test_ragged_dot_fwd_and_grads_match_references(problem):
     lhs, rhs = _rand(rng, (m, k), dtype), _rand(rng, (len(sizes), k, n), dtype)
     ct = _rand(rng, (m, n), dtype)
     out, d_lhs, d_rhs = _fwd_bwd(
-        lambda a, b: ragged_dot(a, b, gs, config=cfg, interpret=True), lhs, rhs, ct)
+        lambda a, b: ragged_dot(a, b, gs, config=cfg, interpret=True), lhs, rhs, ct
+    )
     assert out.dtype == dtype and out.shape == (m, n)
     assert d_lhs.dtype == dtype and d_rhs.dtype == dtype
     _check_fwd_bwd(out, d_lhs, d_rhs, lhs, rhs, ct, gs)
     # Rows past sum(group_sizes) are exactly zero, not merely close.
-    assert not np.asarray(out[sum(sizes):], np.float32).any()
-    assert not np.asarray(d_lhs[sum(sizes):], np.float32).any()
+    assert not np.asarray(out[sum(sizes) :], np.float32).any()
+    assert not np.asarray(d_lhs[sum(sizes) :], np.float32).any()
     # Independent torch loop.
-    t_out = ragged_dot_torch(torch.from_numpy(np.array(lhs, np.float32)),
-                             torch.from_numpy(np.array(rhs, np.float32)),
-                             torch.tensor(sizes))
+    t_out = ragged_dot_torch(
+        torch.from_numpy(np.array(lhs, np.float32)),
+        torch.from_numpy(np.array(rhs, np.float32)),
+        torch.tensor(sizes),
+    )
     mag = ragged_dot_reference(_abs32(lhs), _abs32(rhs), gs)
     assert_close(out, t_out.numpy(), magnitude=mag, what="out vs torch loop")
 
@@ -167,7 +172,7 @@ def test_gmm_edge_cases(dtype, m, k, n, sizes):
     lhs, rhs = _rand(rng, (m, k), dtype), _rand(rng, (len(sizes), k, n), dtype)
     out = gmm(lhs, rhs, gs, interpret=True)
     _check_rd(out, lhs, rhs, gs)
-    assert not np.asarray(out[sum(sizes):], np.float32).any()
+    assert not np.asarray(out[sum(sizes) :], np.float32).any()
     # d_lhs path: rhs given as [G, N, K], contracted on its last axis.
     rhs_t = jnp.swapaxes(rhs, 1, 2)
     out_t = gmm(lhs, rhs_t, gs, transpose_rhs=True, interpret=True)
@@ -215,15 +220,16 @@ def test_group_offset_shards_sum_to_full_result(dtype):
     for off in (0, 3):
         # A traced offset, as under shard_map.
         f = jax.jit(lambda a, b, o: ragged_dot(a, b, gs, group_offset=o, interpret=True))
-        parts.append(_fwd_bwd(lambda a, b, o=off: f(a, b, jnp.int32(o)), lhs, rhs[off:off + 3], ct))
-        _check_fwd_bwd(*parts[-1], lhs, rhs[off:off + 3], ct, gs, off)
+        parts.append(
+            _fwd_bwd(lambda a, b, o=off: f(a, b, jnp.int32(o)), lhs, rhs[off : off + 3], ct)
+        )
+        _check_fwd_bwd(*parts[-1], lhs, rhs[off : off + 3], ct, gs, off)
     _check_fwd_bwd(*full, lhs, rhs, ct, gs)
     # Each row belongs to one shard: the other's output and d_lhs rows are
     # exactly zero there, so the shards' sum is the full result bit for bit.
     np.testing.assert_array_equal(_f32(parts[0][0]) + _f32(parts[1][0]), _f32(full[0]))
     np.testing.assert_array_equal(_f32(parts[0][1]) + _f32(parts[1][1]), _f32(full[1]))
-    np.testing.assert_array_equal(_f32(jnp.concatenate([parts[0][2], parts[1][2]])),
-                                  _f32(full[2]))
+    np.testing.assert_array_equal(_f32(jnp.concatenate([parts[0][2], parts[1][2]])), _f32(full[2]))
 
 
 # --- structural performance properties -----------------------------------
@@ -240,7 +246,7 @@ def test_kernel_fetches_each_active_expert_once_and_never_an_empty_one():
     out, log = gmm(lhs, rhs, gs, config=cfg, interpret=True, _trace=True)
     _check_rd(out, lhs, rhs, gs)
     log = np.asarray(log)
-    issued = [divmod(int(x), 12) for x in log[1:1 + log[0]]]
+    issued = [divmod(int(x), 12) for x in log[1 : 1 + log[0]]]
     active = [j for j, s in enumerate(sizes) if s]
     assert issued == [(nb, j) for nb in range(2) for j in active]
     sched = gmm_dma_schedule(sizes, m, k, n, 12, cfg, lhs_bytes=4, rhs_bytes=4, out_bytes=4)
@@ -257,11 +263,12 @@ def test_shard_fetches_only_its_own_active_experts():
     out, log = gmm(lhs, rhs, gs, group_offset=3, config=cfg, interpret=True, _trace=True)
     _check_rd(out, lhs, rhs, gs, 3)
     log = np.asarray(log)
-    assert [int(x) for x in log[1:1 + log[0]]] == [0, 2]  # global groups 3 and 5
+    assert [int(x) for x in log[1 : 1 + log[0]]] == [0, 2]  # global groups 3 and 5
     # This shard's rows are [12, 24): lhs tiles 1 and 2 only; tile 0 and the
     # tail tile past sum(group_sizes) = 24 are never fetched.
-    sched = gmm_dma_schedule(sizes, 30, 32, 16, 3, cfg, group_offset=3,
-                             lhs_bytes=4, rhs_bytes=4, out_bytes=4)
+    sched = gmm_dma_schedule(
+        sizes, 30, 32, 16, 3, cfg, group_offset=3, lhs_bytes=4, rhs_bytes=4, out_bytes=4
+    )
     assert sched["lhs_bytes"] == 16 * 32 * 4
     assert sched["weight_dmas"] == [(0, 0), (0, 2)]
 
@@ -309,10 +316,12 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
     active = int((sizes > 0).sum())
     for k, n in QWEN3.values():
         cfg = tiling.gmm_config(m, k, n, 128, jnp.bfloat16, generation=generation)
-        [launch] = walker.analyze(functools.partial(gmm, config=cfg),
-                                  jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                                  jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
-                                  jnp.asarray(sizes, jnp.int32))
+        [launch] = walker.analyze(
+            functools.partial(gmm, config=cfg),
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+            jnp.asarray(sizes, jnp.int32),
+        )
         slabs = -(-n // cfg.block_n)
         assert launch.dma_issues == active * slabs  # one DMA per active expert and slab
         assert launch.dma_bytes == active * k * n * 2  # each active expert's weights once
@@ -323,8 +332,10 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
         moved = launch.hbm_bytes
         assert moved <= 1.05 * min_bytes
         roofline = max(min_bytes / gen.hbm_bytes_per_s, 2 * m * k * n / gen.peak_flops)
-        t = (max(moved / gen.hbm_bytes_per_s, launch.flops / gen.peak_flops)
-             + launch.steps * tiling.STEP_OVERHEAD_S)
+        t = (
+            max(moved / gen.hbm_bytes_per_s, launch.flops / gen.peak_flops)
+            + launch.steps * tiling.STEP_OVERHEAD_S
+        )
         assert t <= 1.15 * roofline, (t, roofline, launch.steps)
         # MXU rows: each group's rows rounded to the bf16 sublane tile (16),
         # plus at most one extra tile where a group starts mid-tile.
@@ -336,8 +347,11 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
 
 
 def _args(**kw):
-    a = dict(lhs=jnp.zeros((8, 16), jnp.bfloat16), rhs=jnp.zeros((4, 16, 32), jnp.bfloat16),
-             group_sizes=jnp.zeros((4,), jnp.int32))
+    a = dict(
+        lhs=jnp.zeros((8, 16), jnp.bfloat16),
+        rhs=jnp.zeros((4, 16, 32), jnp.bfloat16),
+        group_sizes=jnp.zeros((4,), jnp.int32),
+    )
     a.update(kw)
     return a
 
@@ -349,12 +363,17 @@ def _args(**kw):
         (dict(rhs=jnp.zeros((16, 32), jnp.bfloat16)), "rhs: expected a 3-D"),
         (dict(rhs=jnp.zeros((4, 17, 32), jnp.bfloat16)), "rhs: expected shape .*K=16"),
         (dict(rhs=jnp.zeros((4, 16, 32), jnp.float32)), "rhs.dtype: expected the dtype of lhs"),
-        (dict(lhs=jnp.zeros((8, 16), jnp.float16), rhs=jnp.zeros((4, 16, 32), jnp.float16)),
-         "lhs.dtype: expected bfloat16 or float32"),
+        (
+            dict(lhs=jnp.zeros((8, 16), jnp.float16), rhs=jnp.zeros((4, 16, 32), jnp.float16)),
+            "lhs.dtype: expected bfloat16 or float32",
+        ),
         (dict(group_sizes=jnp.zeros((3,), jnp.int32)), "group_sizes: expected length >= "),
         (dict(group_sizes=jnp.zeros((4, 1), jnp.int32)), "group_sizes: expected a 1-D"),
         (dict(group_sizes=jnp.zeros((4,), jnp.float32)), "group_sizes: expected dtype int32"),
-        (dict(group_sizes=jnp.zeros((6,), jnp.int32), group_offset=3), "group_offset: expected 0 <="),
+        (
+            dict(group_sizes=jnp.zeros((6,), jnp.int32), group_offset=3),
+            "group_offset: expected 0 <=",
+        ),
         (dict(group_offset=1.5), "group_offset: expected an integer"),
         (dict(preferred_element_type=jnp.int8), "preferred_element_type: expected"),
     ],
@@ -390,27 +409,27 @@ def test_shape_that_cannot_fit_vmem_names_need_and_budget():
 
 
 def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
-  """GPT-OSS prefill: K = N = 2880 full-extent blocks exceed VMEM, so tgmm pads
-  K and N to the 128-lane tile and slices the result; the numbers must not change."""
-  import numpy as np
-  from ragged_dot_tpu import reference, tgmm as tgmm_mod, tiling
+    """GPT-OSS prefill: K = N = 2880 full-extent blocks exceed VMEM, so tgmm pads
+    K and N to the 128-lane tile and slices the result; the numbers must not change."""
+    import numpy as np
+    from ragged_dot_tpu import reference, tgmm as tgmm_mod, tiling
 
-  real = tiling.tgmm_config
-  calls = []
+    real = tiling.tgmm_config
+    calls = []
 
-  def only_aligned(m, k, n, *a, **kw):
-    calls.append((k, n))
-    if k % 128 or n % 128:
-      raise ValueError("no tgmm block fits VMEM (simulated)")
-    return real(m, k, n, *a, **kw)
+    def only_aligned(m, k, n, *a, **kw):
+        calls.append((k, n))
+        if k % 128 or n % 128:
+            raise ValueError("no tgmm block fits VMEM (simulated)")
+        return real(m, k, n, *a, **kw)
 
-  monkeypatch.setattr(tiling, "tgmm_config", only_aligned)
-  key = jax.random.key(7)
-  lhs = jax.random.normal(key, (40, 72), jnp.float32)
-  grad = jax.random.normal(jax.random.fold_in(key, 1), (40, 100), jnp.float32)
-  sizes = jnp.array([10, 0, 25, 5], jnp.int32)
-  got = tgmm_mod.tgmm(lhs, grad, sizes, interpret=True)
-  want = reference.tgmm_reference(lhs, grad, sizes)
-  assert calls == [(72, 100), (128, 128)]
-  assert got.shape == (4, 72, 100)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(tiling, "tgmm_config", only_aligned)
+    key = jax.random.key(7)
+    lhs = jax.random.normal(key, (40, 72), jnp.float32)
+    grad = jax.random.normal(jax.random.fold_in(key, 1), (40, 100), jnp.float32)
+    sizes = jnp.array([10, 0, 25, 5], jnp.int32)
+    got = tgmm_mod.tgmm(lhs, grad, sizes, interpret=True)
+    want = reference.tgmm_reference(lhs, grad, sizes)
+    assert calls == [(72, 100), (128, 128)]
+    assert got.shape == (4, 72, 100)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)

@@ -52,8 +52,13 @@ def _experts(layout, e, h, i, seed, dtype=torch.float32, expert_parallel=False):
     gu = torch.randn((e, h, up_out) if is_transposed else (e, up_out, h), generator=g) * h**-0.5
     dn = torch.randn((e, i, h) if is_transposed else (e, h, i), generator=g) * i**-0.5
     self = types.SimpleNamespace(
-        num_experts=e, has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed,
-        _is_expert_parallel=expert_parallel, has_post_expert_norm=False)
+        num_experts=e,
+        has_gate=has_gate,
+        has_bias=has_bias,
+        is_transposed=is_transposed,
+        _is_expert_parallel=expert_parallel,
+        has_post_expert_norm=False,
+    )
     setattr(self, "gate_up_proj" if has_gate else "up_proj", gu.to(dtype))
     self.down_proj = dn.to(dtype)
     b1 = b2 = None
@@ -86,8 +91,14 @@ def _j(x, dtype=None):
 
 def _kw(layout, e):
     _, has_gate, is_transposed, is_conc, _, act = layout
-    return dict(num_experts=e, has_gate=has_gate, is_transposed=is_transposed,
-                is_concatenated=is_conc, activation=act, interpret=True)
+    return dict(
+        num_experts=e,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+        interpret=True,
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[l[0] for l in LAYOUTS])
@@ -97,14 +108,16 @@ def test_matches_transformers_grouped_mm_f32(layout):
     idx, w = _routing(t, k, e, seed=2)
     hid = torch.randn(t, h, generator=torch.Generator().manual_seed(3))
     ref = grouped_mm_experts_forward(self, hid, idx, w)
-    out = moe_experts(_j(hid), _j(idx).astype(jnp.int32), _j(w), _j(gu), _j(dn), _j(b1), _j(b2),
-                      **_kw(layout, e))
+    out = moe_experts(
+        _j(hid), _j(idx).astype(jnp.int32), _j(w), _j(gu), _j(dn), _j(b1), _j(b2), **_kw(layout, e)
+    )
     assert out.dtype == jnp.float32 and out.shape == (t, h)
     np.testing.assert_allclose(np.asarray(out), ref.numpy(), **tolerance(jnp.float32, h))
 
 
-def _abs_bound_moe(hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed,
-                   is_concatenated, activation):
+def _abs_bound_moe(
+    hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_concatenated, activation
+):
     """Sum of absolute terms behind each output element, per (token, k) pair in f32.
 
     |act(gate) * up| <= |gate| |up| for SiLU, and GPT-OSS's clamped GLU is at
@@ -117,8 +130,11 @@ def _abs_bound_moe(hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed,
     p = jnp.einsum(eq_up, f(hidden), wg, precision="highest")
     if b1 is not None:
         p = p + f(b1)[idx]
-    gate, up = ((p[..., : p.shape[-1] // 2], p[..., p.shape[-1] // 2:]) if is_concatenated
-                else (p[..., 0::2], p[..., 1::2]))
+    gate, up = (
+        (p[..., : p.shape[-1] // 2], p[..., p.shape[-1] // 2 :])
+        if is_concatenated
+        else (p[..., 0::2], p[..., 1::2])
+    )
     a = (up + 1.0) * gate if activation == "gpt_oss" else gate * up
     o = jnp.einsum(eq_dn, a, wd, precision="highest")
     if b2 is not None:
@@ -143,13 +159,31 @@ def test_matches_transformers_bf16(layout):
             setattr(ref_self, name, getattr(ref_self, name).float())
     ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w16.float()).numpy()
     bf = jnp.bfloat16
-    out = moe_experts(_j(hid, bf), _j(idx).astype(jnp.int32), _j(w16, bf), _j(gu, bf), _j(dn, bf),
-                      _j(b1, bf), _j(b2, bf), **_kw(layout, e))
+    out = moe_experts(
+        _j(hid, bf),
+        _j(idx).astype(jnp.int32),
+        _j(w16, bf),
+        _j(gu, bf),
+        _j(dn, bf),
+        _j(b1, bf),
+        _j(b2, bf),
+        **_kw(layout, e),
+    )
     assert out.dtype == bf
     _, has_gate, is_transposed, is_conc, _, act = layout
-    mag = _abs_bound_moe(_j(hid), _j(idx).astype(jnp.int32), _j(w16), _j(gu), _j(dn), _j(b1),
-                         _j(b2), has_gate=has_gate, is_transposed=is_transposed,
-                         is_concatenated=is_conc, activation=act)
+    mag = _abs_bound_moe(
+        _j(hid),
+        _j(idx).astype(jnp.int32),
+        _j(w16),
+        _j(gu),
+        _j(dn),
+        _j(b1),
+        _j(b2),
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+    )
     assert_close(out, ref, dtype=bf, magnitude=mag, roundings=6, what="out")
 
 
@@ -159,14 +193,26 @@ def test_expert_parallel_sentinels_and_shards():
     self, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=7)
     idx, w = _routing(t, k, e, seed=8)
     hid = torch.randn(t, h, generator=torch.Generator().manual_seed(9))
-    full = moe_experts(_j(hid), _j(idx).astype(jnp.int32), _j(w), _j(gu), _j(dn), _j(b1), _j(b2),
-                       **_kw(layout, e))
+    full = moe_experts(
+        _j(hid), _j(idx).astype(jnp.int32), _j(w), _j(gu), _j(dn), _j(b1), _j(b2), **_kw(layout, e)
+    )
     kw = _kw(layout, e // 2)
     shards = []
     for off in (0, e // 2):
         sl = slice(off, off + e // 2)
-        shards.append(moe_experts(_j(hid), _j(idx).astype(jnp.int32), _j(w), _j(gu[sl]), _j(dn[sl]),
-                                  _j(b1[sl]), _j(b2[sl]), group_offset=off, **kw))
+        shards.append(
+            moe_experts(
+                _j(hid),
+                _j(idx).astype(jnp.int32),
+                _j(w),
+                _j(gu[sl]),
+                _j(dn[sl]),
+                _j(b1[sl]),
+                _j(b2[sl]),
+                group_offset=off,
+                **kw,
+            )
+        )
         # transformers' EP convention: local ids, sentinel = num_local_experts.
         local = idx - off
         local = torch.where((local >= 0) & (local < e // 2), local, e // 2)
@@ -176,12 +222,14 @@ def test_expert_parallel_sentinels_and_shards():
         ref_self.num_experts = e // 2
         ref = grouped_mm_experts_forward(ref_self, hid, local, w)
         np.testing.assert_allclose(np.asarray(shards[-1]), ref.numpy(), **tolerance(jnp.float32, h))
-    np.testing.assert_allclose(np.asarray(shards[0] + shards[1]), np.asarray(full),
-                               **tolerance(jnp.float32, h))
+    np.testing.assert_allclose(
+        np.asarray(shards[0] + shards[1]), np.asarray(full), **tolerance(jnp.float32, h)
+    )
 
 
-def _dense_moe(hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_concatenated,
-               activation):
+def _dense_moe(
+    hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_concatenated, activation
+):
     """Every (token, k) pair against its expert's gathered weights, in f32."""
     wg, wd = gu[idx], dn[idx]  # [T, k, ...]
     eq_up = "th,tkho->tko" if is_transposed else "th,tkoh->tko"
@@ -190,8 +238,11 @@ def _dense_moe(hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_co
     if b1 is not None:
         p = p + b1[idx]
     if has_gate:
-        gate, up = ((p[..., : p.shape[-1] // 2], p[..., p.shape[-1] // 2:]) if is_concatenated
-                    else (p[..., 0::2], p[..., 1::2]))
+        gate, up = (
+            (p[..., : p.shape[-1] // 2], p[..., p.shape[-1] // 2 :])
+            if is_concatenated
+            else (p[..., 0::2], p[..., 1::2])
+        )
         if activation == "gpt_oss":
             gate, up = jnp.minimum(gate, 7.0), jnp.clip(up, -7.0, 7.0)
             a = (up + 1) * gate * jax.nn.sigmoid(gate * 1.702)
@@ -205,8 +256,9 @@ def _dense_moe(hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_co
     return (o * w[..., None]).sum(1)
 
 
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[4]],
-                         ids=["qwen_mixtral", "gpt_oss", "nemotron_h"])
+@pytest.mark.parametrize(
+    "layout", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[4]], ids=["qwen_mixtral", "gpt_oss", "nemotron_h"]
+)
 def test_gradients_match_dense_reference(layout):
     e, h, i, t, k = 5, 32, 24, 7, 2
     _, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=10)
@@ -220,14 +272,19 @@ def test_gradients_match_dense_reference(layout):
         def f(hid, w, gu, dn, *b):
             b1, b2 = b if b else (None, None)
             return jnp.sum(jnp.sin(fn(hid, idx_j, w, gu, dn, b1, b2)))
+
         return f
 
     got = jax.grad(loss(lambda *a: moe_experts(*a, **kw)), argnums=tuple(range(len(args))))(*args)
     dense_kw = {x: kw[x] for x in ("has_gate", "is_transposed", "is_concatenated", "activation")}
-    want = jax.grad(loss(lambda *a: _dense_moe(*a, **dense_kw)), argnums=tuple(range(len(args))))(*args)
+    want = jax.grad(loss(lambda *a: _dense_moe(*a, **dense_kw)), argnums=tuple(range(len(args))))(
+        *args
+    )
     for g_, w_ in zip(got, want):
         scale = max(1.0, float(jnp.abs(w_).max()))
-        np.testing.assert_allclose(np.asarray(g_), np.asarray(w_), **tolerance(jnp.float32, h, scale))
+        np.testing.assert_allclose(
+            np.asarray(g_), np.asarray(w_), **tolerance(jnp.float32, h, scale)
+        )
 
 
 def test_bad_layout_raises_value_error():
@@ -253,6 +310,21 @@ def test_reference_matches_transformers_and_kernel():
     hid = torch.randn(t, h, generator=torch.Generator().manual_seed(15))
     ref = grouped_mm_experts_forward(self, hid, idx, w).numpy()
     _, has_gate, is_transposed, is_conc, _, act = layout
-    out = moe_experts_reference(_j(hid), _j(idx).astype(jnp.int32), _j(w), _j(gu), _j(dn), _j(b1),
-                                _j(b2), e, has_gate, is_transposed, is_conc, act, 0, 1.702, 7.0)
+    out = moe_experts_reference(
+        _j(hid),
+        _j(idx).astype(jnp.int32),
+        _j(w),
+        _j(gu),
+        _j(dn),
+        _j(b1),
+        _j(b2),
+        e,
+        has_gate,
+        is_transposed,
+        is_conc,
+        act,
+        0,
+        1.702,
+        7.0,
+    )
     np.testing.assert_allclose(np.asarray(out), ref, **tolerance(jnp.float32, h))

@@ -54,7 +54,7 @@ def test_ragged_dot_and_grads_match_torch(impl, problem):
     # Magnitudes: the same products on absolute values (tests/tolerances.py).
     mags = _torch_fwd_bwd(lhs.abs(), rhs_kn.abs(), gs, dy.abs(), transpose)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert torch.all(out[sum(sizes):] == 0)
+    assert torch.all(out[sum(sizes) :] == 0)
     for name, got, want, mag in zip(("out", "d_lhs", "d_rhs"), (out, d_lhs, d_rhs), ref, mags):
         assert_close(got, want, magnitude=mag, what=name)
 
@@ -72,7 +72,10 @@ def test_group_offset_shards_sum_to_full_result():
 
 def test_grouped_mm_convention_and_out_dtype():
     gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(12, 16, generator=gen).bfloat16(), torch.randn(3, 16, 8, generator=gen).bfloat16()
+    x, w = (
+        torch.randn(12, 16, generator=gen).bfloat16(),
+        torch.randn(3, 16, 8, generator=gen).bfloat16(),
+    )
     offs = torch.tensor([4, 4, 12], dtype=torch.int32)
     out = ragged_dot_tpu.grouped_mm(x, w, offs)
     ref = ragged_dot_torch(x.float(), w.float(), torch.tensor([4, 0, 8]))
@@ -107,8 +110,14 @@ def test_torch_compile_fullgraph():
 BAD = [
     (lambda l, r, g: (l, r, g[:1]), r"group_sizes: expected length >= rhs.shape\[0\] = 2"),
     (lambda l, r, g: (l, r, g.float()), r"group_sizes: expected dtype in \(int32, int64\)"),
-    (lambda l, r, g: (l, r, torch.tensor([-1, 3], dtype=torch.int32)), r"group_sizes: expected non-negative"),
-    (lambda l, r, g: (l, r, torch.tensor([5, 9], dtype=torch.int32)), r"group_sizes: expected sum\(group_sizes\) <= lhs.shape\[0\] = 8"),
+    (
+        lambda l, r, g: (l, r, torch.tensor([-1, 3], dtype=torch.int32)),
+        r"group_sizes: expected non-negative",
+    ),
+    (
+        lambda l, r, g: (l, r, torch.tensor([5, 9], dtype=torch.int32)),
+        r"group_sizes: expected sum\(group_sizes\) <= lhs.shape\[0\] = 8",
+    ),
     (lambda l, r, g: (l, r[:, :5], g), r"rhs: expected \[G, K, N\] with K=16"),
     (lambda l, r, g: (l, r.bfloat16(), g), r"rhs: expected dtype torch.float32 \(same as lhs\)"),
     (lambda l, r, g: (l.half(), r.half(), g), r"lhs: expected dtype in \(bfloat16, float32\)"),
@@ -119,7 +128,11 @@ BAD = [
 
 @pytest.mark.parametrize("mutate, match", BAD)
 def test_bad_inputs_raise_clear_errors(mutate, match):
-    lhs, rhs, gs = torch.randn(8, 16), torch.randn(2, 16, 4), torch.tensor([3, 5], dtype=torch.int32)
+    lhs, rhs, gs = (
+        torch.randn(8, 16),
+        torch.randn(2, 16, 4),
+        torch.tensor([3, 5], dtype=torch.int32),
+    )
     with pytest.raises((ValueError, TypeError), match=match):
         ragged_dot_tpu.ragged_dot(*mutate(lhs, rhs, gs))
 
@@ -127,6 +140,8 @@ def test_bad_inputs_raise_clear_errors(mutate, match):
 def test_bad_group_offset_and_offs():
     lhs, rhs = torch.randn(8, 16), torch.randn(2, 16, 4)
     with pytest.raises(ValueError, match=r"group_offset: expected 0 <= group_offset <= 1"):
-        ragged_dot_tpu.ragged_dot(lhs, rhs, torch.tensor([3, 5, 0], dtype=torch.int32), group_offset=2)
+        ragged_dot_tpu.ragged_dot(
+            lhs, rhs, torch.tensor([3, 5, 0], dtype=torch.int32), group_offset=2
+        )
     with pytest.raises(ValueError, match=r"offs: expected length 2"):
         ragged_dot_tpu.grouped_mm(lhs, rhs, torch.tensor([8], dtype=torch.int32))

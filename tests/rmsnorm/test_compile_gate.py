@@ -16,26 +16,39 @@ TOKENS = 8192
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_forward_compiles(generation, hidden):
     x, w = spec((TOKENS, hidden)), spec((hidden,))
-    assert_compiles(lambda x, w: kernel.rms_norm_fwd(x, w, eps=1e-6, generation=generation),
-                    [x, w], generation)
-    assert_compiles(lambda x, r, w: kernel.rms_norm_fwd(x, w, r, eps=1e-6, gemma=True, generation=generation),
-                    [x, x, w], generation)
+    assert_compiles(
+        lambda x, w: kernel.rms_norm_fwd(x, w, eps=1e-6, generation=generation), [x, w], generation
+    )
+    assert_compiles(
+        lambda x, r, w: kernel.rms_norm_fwd(x, w, r, eps=1e-6, gemma=True, generation=generation),
+        [x, x, w],
+        generation,
+    )
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_backward_compiles(generation, hidden):
     x, w = spec((TOKENS, hidden)), spec((hidden,), jnp.float32)
-    assert_compiles(lambda dy, ds, s, w: kernel.rms_norm_bwd(dy, ds, s, w, eps=1e-6, generation=generation),
-                    [x, x, x, w], generation)
-    assert_compiles(lambda dy, s, w: kernel.rms_norm_bwd(dy, None, s, w, eps=1e-6, generation=generation),
-                    [x, x, w], generation)
+    assert_compiles(
+        lambda dy, ds, s, w: kernel.rms_norm_bwd(dy, ds, s, w, eps=1e-6, generation=generation),
+        [x, x, x, w],
+        generation,
+    )
+    assert_compiles(
+        lambda dy, s, w: kernel.rms_norm_bwd(dy, None, s, w, eps=1e-6, generation=generation),
+        [x, x, w],
+        generation,
+    )
 
 
 def test_small_decode_shape_compiles():
     # One token, hidden not a multiple of 128 (GPT-OSS): a full-extent block.
-    assert_compiles(lambda x, w: kernel.rms_norm_fwd(x, w, eps=1e-6, generation="v6e"),
-                    [spec((1, 2880)), spec((2880,))], "v6e")
+    assert_compiles(
+        lambda x, w: kernel.rms_norm_fwd(x, w, eps=1e-6, generation="v6e"),
+        [spec((1, 2880)), spec((2880,))],
+        "v6e",
+    )
 
 
 def test_torch_ops_lower_through_torch_tpu_jax_op_on_meta():

@@ -46,7 +46,7 @@ def _check_backward(dx, dw, dy, ds, s, w, eps, gemma):
 
 shapes = st.tuples(
     st.lists(st.integers(1, 5), min_size=0, max_size=2),  # leading dims
-    st.sampled_from([1, 7, 100, 128, 200, 384]),         # hidden: aligned and not
+    st.sampled_from([1, 7, 100, 128, 200, 384]),  # hidden: aligned and not
 )
 
 
@@ -55,7 +55,11 @@ def _inputs(lead, hidden, dtype, seed, with_residual=False, x_scale=1.0):
     shape = (*lead, hidden)
     x = (x_scale * jax.random.normal(ks[0], shape, jnp.float32)).astype(dtype)
     w = (1.0 + 0.1 * jax.random.normal(ks[1], (hidden,), jnp.float32)).astype(dtype)
-    r = (x_scale * jax.random.normal(ks[2], shape, jnp.float32)).astype(dtype) if with_residual else None
+    r = (
+        (x_scale * jax.random.normal(ks[2], shape, jnp.float32)).astype(dtype)
+        if with_residual
+        else None
+    )
     dy = jax.random.normal(ks[3], shape, jnp.float32).astype(dtype)
     return x, w, r, dy
 
@@ -73,9 +77,15 @@ EPS = [1e-6, 1e-5, 0.1]
 X_SCALES = [1.0, 1e-3]
 
 
-@given(shape=shapes, dtype=st.sampled_from(DTYPES), gemma=st.booleans(),
-       eps=st.sampled_from(EPS), x_scale=st.sampled_from(X_SCALES), small=st.booleans(),
-       seed=st.integers(0, 99))
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(DTYPES),
+    gemma=st.booleans(),
+    eps=st.sampled_from(EPS),
+    x_scale=st.sampled_from(X_SCALES),
+    small=st.booleans(),
+    seed=st.integers(0, 99),
+)
 def test_forward_matches_reference(shape, dtype, gemma, eps, x_scale, small, seed):
     lead, hidden = shape
     x, w, _, _ = _inputs(lead, hidden, dtype, seed, x_scale=x_scale)
@@ -85,8 +95,14 @@ def test_forward_matches_reference(shape, dtype, gemma, eps, x_scale, small, see
     _check_forward(y, x, w, eps, gemma)
 
 
-@given(shape=shapes, dtype=st.sampled_from(DTYPES), gemma=st.booleans(),
-       eps=st.sampled_from(EPS), small=st.booleans(), seed=st.integers(0, 99))
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(DTYPES),
+    gemma=st.booleans(),
+    eps=st.sampled_from(EPS),
+    small=st.booleans(),
+    seed=st.integers(0, 99),
+)
 def test_fused_residual_matches_reference(shape, dtype, gemma, eps, small, seed):
     lead, hidden = shape
     x, w, r, _ = _inputs(lead, hidden, dtype, seed, with_residual=True)
@@ -98,9 +114,16 @@ def test_fused_residual_matches_reference(shape, dtype, gemma, eps, small, seed)
     _check_forward(y, s_ref, w, eps, gemma)  # y normalises the sum as stored
 
 
-@given(shape=shapes, dtype=st.sampled_from(DTYPES), gemma=st.booleans(),
-       with_ds=st.booleans(), eps=st.sampled_from(EPS), x_scale=st.sampled_from(X_SCALES),
-       small=st.booleans(), seed=st.integers(0, 99))
+@given(
+    shape=shapes,
+    dtype=st.sampled_from(DTYPES),
+    gemma=st.booleans(),
+    with_ds=st.booleans(),
+    eps=st.sampled_from(EPS),
+    x_scale=st.sampled_from(X_SCALES),
+    small=st.booleans(),
+    seed=st.integers(0, 99),
+)
 def test_backward_matches_reference(shape, dtype, gemma, with_ds, eps, x_scale, small, seed):
     lead, hidden = shape
     x, w, r, dy = _inputs(lead, hidden, dtype, seed, with_residual=with_ds, x_scale=x_scale)
@@ -155,7 +178,9 @@ def test_custom_vjp_gradients_match_autodiff_of_reference():
     for g, e in zip(got, want):
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-4)
 
-    g_plain = jax.grad(lambda x, w: jnp.sum(kernel.rms_norm(x, w, 1e-6, False, True) ** 3), (0, 1))(x, w)
+    g_plain = jax.grad(lambda x, w: jnp.sum(kernel.rms_norm(x, w, 1e-6, False, True) ** 3), (0, 1))(
+        x, w
+    )
     e_plain = jax.grad(lambda x, w: jnp.sum(reference.rms_norm_ref(x, w, 1e-6) ** 3), (0, 1))(x, w)
     for g, e in zip(g_plain, e_plain):
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-4)

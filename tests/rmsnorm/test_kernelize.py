@@ -5,12 +5,18 @@ import pytest
 import torch
 
 
-
 def _tiny(family):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -38,9 +44,11 @@ def test_kernelized_model_matches_forward_and_backward(family, published):
 
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     # kernelize binds the layer's forward on each instance.
-    assert norms and all(m.forward.__func__.__module__.endswith(".layers") and
-                         m.forward.__func__.__module__.startswith("_rmsnorm_tpu_") for m in norms), \
-        [m.forward.__func__.__module__ for m in norms]
+    assert norms and all(
+        m.forward.__func__.__module__.endswith(".layers")
+        and m.forward.__func__.__module__.startswith("_rmsnorm_tpu_")
+        for m in norms
+    ), [m.forward.__func__.__module__ for m in norms]
 
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
     out = model(ids, labels=ids)

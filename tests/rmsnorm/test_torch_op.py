@@ -16,9 +16,13 @@ def torch_rms_norm(x, w, eps=1e-6, gemma=False):
 
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       lead=st.lists(st.integers(1, 4), max_size=2), hidden=st.sampled_from([8, 96, 256]),
-       gemma=st.booleans(), seed=st.integers(0, 50))
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    lead=st.lists(st.integers(1, 4), max_size=2),
+    hidden=st.sampled_from([8, 96, 256]),
+    gemma=st.booleans(),
+    seed=st.integers(0, 50),
+)
 def test_forward_and_grads_match_torch(impl, dtype, lead, hidden, gemma, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, hidden, generator=g).to(dtype).requires_grad_()
@@ -73,12 +77,17 @@ def test_torch_compile_fullgraph_traces_op_and_backward():
         return (norm(x, w) * c).sum() + (y * c).sum() + (s.sin() * c).sum()
 
     ours = torch.compile(fullgraph=True, backend="aot_eager")(
-        lambda x, r, w: loss(x, r, w, rmsnorm_tpu.rms_norm,
-                             lambda x, r, w: rmsnorm_tpu.fused_add_rms_norm(x, r, w, 1e-6)))
+        lambda x, r, w: loss(
+            x,
+            r,
+            w,
+            rmsnorm_tpu.rms_norm,
+            lambda x, r, w: rmsnorm_tpu.fused_add_rms_norm(x, r, w, 1e-6),
+        )
+    )
     out = ours(x, r, w)
     grads = torch.autograd.grad(out, (x, r, w))
-    ref = loss(x, r, w, torch_rms_norm,
-               lambda x, r, w: (torch_rms_norm(x + r, w), x + r))
+    ref = loss(x, r, w, torch_rms_norm, lambda x, r, w: (torch_rms_norm(x + r, w), x + r))
     ref_grads = torch.autograd.grad(ref, (x, r, w))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
     for name, g, e in zip(("dx", "dresidual", "dweight"), grads, ref_grads):
@@ -106,7 +115,10 @@ def test_mixed_weight_dtype_keeps_x_dtype():
         (lambda: (torch.randn(4, 8), torch.randn(8).long()), r"weight: expected dtype in"),
         (lambda: ([1.0, 2.0], torch.randn(2)), r"x: expected a torch.Tensor"),
         (lambda: (torch.randn(4, 0), torch.randn(0)), r"x: expected a non-empty last"),
-        (lambda: (torch.randn(4, 8), torch.randn(8, device="meta")), r"weight: expected a tensor on cpu"),
+        (
+            lambda: (torch.randn(4, 8), torch.randn(8, device="meta")),
+            r"weight: expected a tensor on cpu",
+        ),
     ],
 )
 def test_bad_inputs_raise_clear_errors(make, match):

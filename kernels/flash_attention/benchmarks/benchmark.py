@@ -47,7 +47,10 @@ class _OnTpuWhenAttached:
     def device(self, runner_device: str) -> None:
         self._device = tpu_or(runner_device)
         if self._device != runner_device:
-            print(f"  (on {self._device}: kernels detected backend {runner_device!r})", file=sys.stderr)
+            print(
+                f"  (on {self._device}: kernels detected backend {runner_device!r})",
+                file=sys.stderr,
+            )
 
 
 def _reference(q, k, v, causal=True, left=-1):
@@ -109,14 +112,17 @@ class FlashAttentionBenchmark(_OnTpuWhenAttached, Benchmark):
         self.cu = torch.tensor([0, 100, 137, 256], dtype=torch.int32, device=self.device)
 
     def benchmark_varlen_sliding_window(self):
-        self.out = self.kernel.flash_attn_varlen_func(self.q, self.k, self.v, self.cu, self.cu, 119, 119,
-                                                      causal=True, window_size=(63, 0))
+        self.out = self.kernel.flash_attn_varlen_func(
+            self.q, self.k, self.v, self.cu, self.cu, 119, 119, causal=True, window_size=(63, 0)
+        )
         sync(self.device)
 
     def verify_varlen_sliding_window(self):
         outs, start = [], 0
         for n in self.lens:
             sl = slice(start, start + n)
-            outs.append(_reference(self.q[None, sl], self.k[None, sl], self.v[None, sl], left=63)[0])
+            outs.append(
+                _reference(self.q[None, sl], self.k[None, sl], self.v[None, sl], left=63)[0]
+            )
             start += n
         return torch.cat(outs).to(self.q.dtype).to(self.device)

@@ -3,6 +3,6 @@ varlen) as Pallas TPU kernels for PyTorch, in flash-attn's conventions and as a 
 attention function."""
 
 from .attention import attention_forward, flash_attn_func, flash_attn_varlen_func
-from .ops import LIB
+from .ops import LIB as LIB
 
 __all__ = ["attention_forward", "flash_attn_func", "flash_attn_varlen_func"]

@@ -24,17 +24,30 @@ def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
     if dropout_p:
         raise NotImplementedError(
             f"dropout_p: attention dropout is not supported by flash-attention-tpu (got {dropout_p}); "
-            "expected 0.0 (call the model in eval mode or set attention_dropout=0)")
+            "expected 0.0 (call the model in eval mode or set attention_dropout=0)"
+        )
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi is not supported by flash-attention-tpu")
     if return_attn_probs:
         raise NotImplementedError(
-            "return_attn_probs: flash-attention-tpu returns only the attention output")
+            "return_attn_probs: flash-attention-tpu returns only the attention output"
+        )
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                    s_aux=None):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    s_aux=None,
+):
     """Attention over q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv] -> [B, Sq, Hq, Dv].
 
     Hq must be a multiple of Hkv (GQA/MQA, no K/V repeat). causal is aligned
@@ -46,13 +59,37 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
-    return flash_attention(q, k, v, sinks=s_aux, layout="bshd", causal=causal, window_size=window_size,
-                           softcap=softcap, softmax_scale=softmax_scale)
+    return flash_attention(
+        q,
+        k,
+        v,
+        sinks=s_aux,
+        layout="bshd",
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+    )
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, deterministic=False, return_attn_probs=False, s_aux=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    s_aux=None,
+):
     """Packed sequences: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] -> [total_q, Hq, Dv].
 
     cu_seqlens_q/k: int32 or int64 [num_seqs + 1], nondecreasing offsets from
@@ -62,9 +99,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     arguments as in flash_attn_func.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
-    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  sinks=s_aux, causal=causal, window_size=window_size, softcap=softcap,
-                                  softmax_scale=softmax_scale)
+    return flash_attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        sinks=s_aux,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+    )
 
 
 # -- transformers attention interface --------------------------------------------
@@ -92,9 +140,16 @@ def _band(q_len, kv_len, causal, left, right, device):
 
 def _kv_valid_from_4d(mask, batch, q_len, kv_len, causal, left, right):
     """Key padding [B, Skv] of a 4-D mask, checked (eager) to be all the mask says."""
-    if mask.shape[1] != 1 or mask.shape[2] != q_len or mask.shape[3] != kv_len or mask.shape[0] not in (1, batch):
-        raise ValueError(f"attention_mask: expected shape [{batch} or 1, 1, {q_len}, {kv_len}], "
-                         f"got {list(mask.shape)}; {_MASK_HELP}")
+    if (
+        mask.shape[1] != 1
+        or mask.shape[2] != q_len
+        or mask.shape[3] != kv_len
+        or mask.shape[0] not in (1, batch)
+    ):
+        raise ValueError(
+            f"attention_mask: expected shape [{batch} or 1, 1, {q_len}, {kv_len}], "
+            f"got {list(mask.shape)}; {_MASK_HELP}"
+        )
     if mask.dtype == torch.bool:
         allowed = mask
     else:
@@ -104,12 +159,16 @@ def _kv_valid_from_4d(mask, batch, q_len, kv_len, causal, left, right):
         if mask.dtype != torch.bool:
             blocked = mask <= torch.finfo(mask.dtype).min / 2
             if not bool(torch.all(allowed | blocked)):
-                raise ValueError(f"attention_mask: additive biases other than 0 / -inf are not supported; "
-                                 f"{_MASK_HELP}")
+                raise ValueError(
+                    f"attention_mask: additive biases other than 0 / -inf are not supported; "
+                    f"{_MASK_HELP}"
+                )
         want = _band(q_len, kv_len, causal, left, right, mask.device)[None] & kv_valid[:, None, :]
         if not torch.equal(want, allowed[:, 0].expand(batch, q_len, kv_len)):
-            raise ValueError(f"attention_mask: this mask is not expressible as causal={causal}, "
-                             f"window=({left}, {right}) plus key padding; {_MASK_HELP}")
+            raise ValueError(
+                f"attention_mask: this mask is not expressible as causal={causal}, "
+                f"window=({left}, {right}) plus key padding; {_MASK_HELP}"
+            )
     return kv_valid
 
 
@@ -122,8 +181,13 @@ def _packed_segments(position_ids, batch, q_len, kv_len):
     ids once (a device sync) to keep unpacked rows on the faster segment-free
     path; under torch.compile the segments are always used.
     """
-    if (position_ids is None or batch != 1 or q_len != kv_len or q_len < 2
-            or position_ids.numel() != q_len):
+    if (
+        position_ids is None
+        or batch != 1
+        or q_len != kv_len
+        or q_len < 2
+        or position_ids.numel() != q_len
+    ):
         return None
     pos = position_ids.reshape(1, q_len)
     seg = torch.cumsum((pos == pos.min()).to(torch.int32), dim=1, dtype=torch.int32)
@@ -132,8 +196,18 @@ def _packed_segments(position_ids, batch, q_len, kv_len):
     return seg
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      sliding_window=None, softcap=None, **kwargs):
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
     """transformers attention interface: query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D]
     -> (out [B, Sq, Hq, D], None).
 
@@ -161,43 +235,81 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     if attention_mask is None and all(x is not None for x in (cu_q, cu_k, max_q, max_k)):
         b, hq = query.shape[:2]
-        q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
-        out = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sinks=sinks, causal=causal,
-                                     window_size=window, softcap=softcap, softmax_scale=scaling)
+        q, k, v = (
+            x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value)
+        )
+        out = flash_attention_varlen(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            sinks=sinks,
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            softmax_scale=scaling,
+        )
         return out.view(b, -1, hq, out.shape[-1]), None
 
     q_seg = kv_seg = None
     if attention_mask is None:
-        q_seg = kv_seg = _packed_segments(kwargs.get("position_ids"), query.shape[0], query.shape[2],
-                                          key.shape[2])
+        q_seg = kv_seg = _packed_segments(
+            kwargs.get("position_ids"), query.shape[0], query.shape[2], key.shape[2]
+        )
     else:
         batch, q_len = query.shape[0], query.shape[2]
         if attention_mask.dim() == 2:
             kv_len = key.shape[2]
-            if attention_mask.shape[1] < kv_len:  # static cache: keys past the mask are unused slots
-                key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
-            kv_valid = attention_mask[:, -key.shape[2]:].bool()
+            if (
+                attention_mask.shape[1] < kv_len
+            ):  # static cache: keys past the mask are unused slots
+                key, value = (
+                    key[:, :, : attention_mask.shape[1]],
+                    value[:, :, : attention_mask.shape[1]],
+                )
+            kv_valid = attention_mask[:, -key.shape[2] :].bool()
             if kv_valid.shape[0] != batch:
-                raise ValueError(f"attention_mask: expected batch {batch}, got shape {list(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask: expected batch {batch}, got shape {list(attention_mask.shape)}"
+                )
             # transformers' flash mask is None unless there is padding: no sync to test for it.
             padded = True
         elif attention_mask.dim() == 4:
-            kv_valid = _kv_valid_from_4d(attention_mask, batch, q_len, key.shape[2], causal, left,
-                                         right)
+            kv_valid = _kv_valid_from_4d(
+                attention_mask, batch, q_len, key.shape[2], causal, left, right
+            )
             # The check above already read the mask; without padding the
             # segment-free kernel path (sub-tiled diagonal) is faster.
-            padded = (kv_valid.device.type == "meta" or torch.compiler.is_compiling()
-                      or not bool(kv_valid.all()))
+            padded = (
+                kv_valid.device.type == "meta"
+                or torch.compiler.is_compiling()
+                or not bool(kv_valid.all())
+            )
         else:
-            raise ValueError(f"attention_mask: expected 2 or 4 dimensions, got shape "
-                             f"{list(attention_mask.shape)}; {_MASK_HELP}")
+            raise ValueError(
+                f"attention_mask: expected 2 or 4 dimensions, got shape "
+                f"{list(attention_mask.shape)}; {_MASK_HELP}"
+            )
         if padded:
             # Query rows all share segment 1: like eager, a padded query still
             # sees the valid keys; padded keys (segment 0) are seen by none.
             q_seg = torch.ones(batch, q_len, dtype=torch.int32, device=query.device)
             kv_seg = kv_valid.to(torch.int32)
 
-    out = flash_attention(query, key, value, sinks=sinks, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                          layout="bhsd", causal=causal, window_size=window, softcap=softcap,
-                          softmax_scale=scaling)
+    out = flash_attention(
+        query,
+        key,
+        value,
+        sinks=sinks,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        layout="bhsd",
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        softmax_scale=scaling,
+    )
     return out.transpose(1, 2), None

@@ -108,8 +108,11 @@ def transpose_ranges(lo, hi, n_inner, xp=np):
 
 
 def pack(outer, inner, flags, xp=np):
-    return ((outer.astype(np.int32) << OUTER_SHIFT) | (inner.astype(np.int32) << INNER_SHIFT)
-            | flags.astype(np.int32))
+    return (
+        (outer.astype(np.int32) << OUTER_SHIFT)
+        | (inner.astype(np.int32) << INNER_SHIFT)
+        | flags.astype(np.int32)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -150,8 +153,7 @@ def dense_ranges(geom, *, q_offset, group, causal, left, right):
     return lo.astype(np.int64), hi.astype(np.int64)
 
 
-def _dense_mask_flags(geom, q_idx, kv_idx, *, q_offset, group, causal, left, right,
-                      segmented):
+def _dense_mask_flags(geom, q_idx, kv_idx, *, q_offset, group, causal, left, right, segmented):
     """MASK bit per pair: set unless every entry of the pair is visible."""
     if segmented:
         return np.full(q_idx.shape, MASK, np.int32)
@@ -167,8 +169,7 @@ def _dense_mask_flags(geom, q_idx, kv_idx, *, q_offset, group, causal, left, rig
     return np.where(full, 0, MASK).astype(np.int32)
 
 
-def dense_schedules(geom_rows, geom_cols, *, q_offset, group, causal, left, right,
-                    segmented):
+def dense_schedules(geom_rows, geom_cols, *, q_offset, group, causal, left, right, segmented):
     """Static schedules (numpy int32) for a dense call.
 
     geom_rows: geometry of a row-major kernel (forward or dQ) -> q-major list.
@@ -237,8 +238,20 @@ def chunk_bounds(i, j, a, *, geom, sub, q_offset, left, right, xp=np):
     return c_lo, c_hi
 
 
-def mxu_work(schedule, geom, head_dim, head_dim_v, group, *, q_major, sub=None, q_offset=0,
-             causal=False, left=-1, right=-1):
+def mxu_work(
+    schedule,
+    geom,
+    head_dim,
+    head_dim_v,
+    group,
+    *,
+    q_major,
+    sub=None,
+    q_offset=0,
+    causal=False,
+    left=-1,
+    right=-1,
+):
     """MXU flops the kernels issue for one (batch, kv head): 2 matmuls per tile.
 
     Follows the kernels exactly: whole blocks for fully visible pairs, and
@@ -260,8 +273,9 @@ def mxu_work(schedule, geom, head_dim, head_dim_v, group, *, q_major, sub=None, 
         rc, ck = sub
         i, j = (o, n) if q_major else (n, o)
         for a in range(geom.block_pos // rc):
-            lo, hi = chunk_bounds(i, j, a, geom=geom, sub=sub, q_offset=q_offset, left=left,
-                                  right=right)
+            lo, hi = chunk_bounds(
+                i, j, a, geom=geom, sub=sub, q_offset=q_offset, left=left, right=right
+            )
             total += max(int(hi) - int(lo), 0) * gb * rc * ck * per_entry
     return total
 
@@ -304,8 +318,9 @@ def varlen_step_bound(nq, nk, bkv, max_seqlen_k):
     return int(min(nq * nk + nq, (nq - 1) * (max_seqlen_k // bkv + 3) + 2 * nk + nq + 2))
 
 
-def varlen_schedules(cu_q, cu_k, total_q, total_k, geom_rows, geom_cols, *, group, causal,
-                     left, right, max_seqlen_k):
+def varlen_schedules(
+    cu_q, cu_k, total_q, total_k, geom_rows, geom_cols, *, group, causal, left, right, max_seqlen_k
+):
     """Data-dependent schedules (jax int32) with static upper-bound lengths.
 
     Returns per-token (segment, shifted position) and the row-major and
@@ -314,7 +329,8 @@ def varlen_schedules(cu_q, cu_k, total_q, total_k, geom_rows, geom_cols, *, grou
     import jax.numpy as jnp
 
     seg, pos, tok_lo, tok_hi = varlen_token_bounds(
-        cu_q, cu_k, total_q, causal=causal, left=left, right=right)
+        cu_q, cu_k, total_q, causal=causal, left=left, right=right
+    )
 
     def ranges(g):
         i = jnp.arange(g.num_q_blocks, dtype=jnp.int32)
@@ -331,8 +347,9 @@ def varlen_schedules(cu_q, cu_k, total_q, total_k, geom_rows, geom_cols, *, grou
     _check_counts(g.num_q_blocks, g.num_kv_blocks)
     nq, nk = g.num_q_blocks, g.num_kv_blocks
     lo, hi = ranges(g)
-    qi, kj, fl = enumerate_pairs(lo, hi, nk, varlen_step_bound(nq, nk, g.block_kv, max_seqlen_k),
-                                 xp=jnp)
+    qi, kj, fl = enumerate_pairs(
+        lo, hi, nk, varlen_step_bound(nq, nk, g.block_kv, max_seqlen_k), xp=jnp
+    )
     fl = fl | jnp.where(fl & COMPUTE, MASK, 0)
     scheds.append(pack(qi, kj, fl, xp=jnp))
     g = geom_cols

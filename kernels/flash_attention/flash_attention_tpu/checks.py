@@ -63,10 +63,24 @@ def _int_array(x, name, shape):
         raise ValueError(f"{name}: expected an integer dtype, got {x.dtype}")
 
 
-def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap=None,
-                 softmax_scale=None, q_segment_ids=None, kv_segment_ids=None,
-                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                 max_seqlen_k=None, dropout_p=0.0) -> Problem:
+def check_inputs(
+    q,
+    k,
+    v,
+    *,
+    varlen=False,
+    sinks=None,
+    window_size=None,
+    softcap=None,
+    softmax_scale=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+) -> Problem:
     """Validates all arguments; raises ValueError naming the argument.
 
     Dense layout: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv].
@@ -82,14 +96,10 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
             layout = "[total, heads, head_dim]" if varlen else "[batch, heads, seq, head_dim]"
             raise ValueError(f"{name}: expected a rank-{rank} array {layout}, got shape {s}")
         if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype}"
-            )
+            raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype}")
         shapes[name] = s
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(
-            f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}"
-        )
+        raise ValueError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if varlen:
         (tq, hq, d), (tk, hkv, dk), (tv, hv, dv) = shapes["q"], shapes["k"], shapes["v"]
         b, sq, skv = 1, tq, tk
@@ -97,7 +107,10 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
             raise ValueError(f"v: expected {tk} tokens like k, got {tv}")
     else:
         (b, hq, sq, d), (bk, hkv, skv, dk), (bv, hv, sv, dv) = (
-            shapes["q"], shapes["k"], shapes["v"])
+            shapes["q"],
+            shapes["k"],
+            shapes["v"],
+        )
         if bk != b or bv != b:
             raise ValueError(f"k, v: expected batch {b} like q, got k {bk}, v {bv}")
         if sv != skv:
@@ -138,7 +151,9 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
                 raise ValueError(f"{name}: expected an int32 array [num_seqs + 1], got None")
             s = _shape(cu, name)
             if len(s) != 1 or s[0] < 2:
-                raise ValueError(f"{name}: expected shape [num_seqs + 1] with num_seqs >= 1, got {s}")
+                raise ValueError(
+                    f"{name}: expected shape [num_seqs + 1] with num_seqs >= 1, got {s}"
+                )
             if not jnp.issubdtype(cu.dtype, jnp.integer):
                 raise ValueError(f"{name}: expected an integer dtype, got {cu.dtype}")
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -146,12 +161,18 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
                 f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} like cu_seqlens_q, "
                 f"got {tuple(cu_seqlens_k.shape)}"
             )
-        for name, m, total in (("max_seqlen_q", max_seqlen_q, sq), ("max_seqlen_k", max_seqlen_k, skv)):
+        for name, m, total in (
+            ("max_seqlen_q", max_seqlen_q, sq),
+            ("max_seqlen_k", max_seqlen_k, skv),
+        ):
             if not isinstance(m, (int, np.integer)) or m < 0:
                 raise ValueError(f"{name}: expected a static int >= 0, got {m!r}")
             if m > total and total > 0:
                 raise ValueError(f"{name}: expected at most the {total} packed tokens, got {m}")
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, sq), ("cu_seqlens_k", cu_seqlens_k, skv)):
+        for name, cu, total in (
+            ("cu_seqlens_q", cu_seqlens_q, sq),
+            ("cu_seqlens_k", cu_seqlens_k, skv),
+        ):
             try:
                 c = np.asarray(cu)  # only possible when concrete (not traced)
             except Exception:  # noqa: BLE001 - traced: checked by shape only
@@ -163,12 +184,18 @@ def check_inputs(q, k, v, *, varlen=False, sinks=None, window_size=None, softcap
     return Problem(b, hq, hkv, sq, skv, d, dv, left, right)
 
 
-def check_max_seqlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> None:
+def check_max_seqlen_values(
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int
+) -> None:
     """Eager check of concrete offsets: max_seqlen bounds the kernel's block
     schedule, so one smaller than the longest sequence would skip keys."""
-    for name, cu, m, mname in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q"),
-                               ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k")):
+    for name, cu, m, mname in (
+        ("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q"),
+        ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k"),
+    ):
         longest = int(np.max(np.diff(np.asarray(cu)))) if len(cu) > 1 else 0
         if longest > m:
-            raise ValueError(f"{mname}: expected at least the longest sequence ({longest} tokens "
-                             f"in {name}), got {m}")
+            raise ValueError(
+                f"{mname}: expected at least the longest sequence ({longest} tokens "
+                f"in {name}), got {m}"
+            )

@@ -97,7 +97,7 @@ def _flat_rows(x):
     """(Gb, br) per-head rows -> (1, Gb * br) in matmul-row order."""
     if x.shape[0] == 1:
         return x
-    return jnp.concatenate([x[g:g + 1, :] for g in range(x.shape[0])], axis=1)
+    return jnp.concatenate([x[g : g + 1, :] for g in range(x.shape[0])], axis=1)
 
 
 def _split_rows(x, gb):
@@ -105,7 +105,7 @@ def _split_rows(x, gb):
     if gb == 1:
         return x
     br = x.shape[1] // gb
-    return jnp.concatenate([x[:, g * br:(g + 1) * br] for g in range(gb)], axis=0)
+    return jnp.concatenate([x[:, g * br : (g + 1) * br] for g in range(gb)], axis=0)
 
 
 def _tile_col(x, gb):
@@ -118,8 +118,11 @@ def _tile_row(x, gb):
 
 def _decode(sched_ref, p):
     word = sched_ref[p]
-    return (word >> bsched.OUTER_SHIFT, (word >> bsched.INNER_SHIFT) &
-            (bsched.MAX_INNER_BLOCKS - 1), word & 15)
+    return (
+        word >> bsched.OUTER_SHIFT,
+        (word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1),
+        word & 15,
+    )
 
 
 def _flag(flags, bit):
@@ -142,13 +145,13 @@ def _q_side(prm, i, qpos_ref, qseg_ref, as_col, r0, rc):
     row = i * g.block_pos + r0 + local
     valid = row < g.q_rows_total
     if prm.has_qpos:
-        pos = qpos_ref[...] if full else qpos_ref[:, r0:r0 + rc]  # (1, rc)
+        pos = qpos_ref[...] if full else qpos_ref[:, r0 : r0 + rc]  # (1, rc)
         pos = _row_to_col(pos) if as_col else pos
     else:
         pos = row + prm.q_offset
     seg = None
     if prm.has_segments:
-        seg = qseg_ref[...] if full else qseg_ref[:, r0:r0 + rc]
+        seg = qseg_ref[...] if full else qseg_ref[:, r0 : r0 + rc]
         seg = _row_to_col(seg) if as_col else seg
     tile = (lambda x: _tile_col(x, gb)) if as_col else (lambda x: _tile_row(x, gb))
     valid = tile(valid.astype(jnp.int32)) != 0
@@ -196,14 +199,14 @@ def _zero_tail_rows(x, valid_col):
 
 def _rows(ref, r0, rc):
     """Rows r0:r0+rc of every head of a (Gb, br, ...) block (static slice)."""
-    return ref[...] if rc == ref.shape[1] else ref[:, r0:r0 + rc]
+    return ref[...] if rc == ref.shape[1] else ref[:, r0 : r0 + rc]
 
 
 def _set_rows(ref, r0, rc, x):
     if rc == ref.shape[1]:
         ref[...] = x
     else:
-        ref[:, r0:r0 + rc] = x
+        ref[:, r0 : r0 + rc] = x
 
 
 def _keys(ref, k0, ck):
@@ -231,8 +234,17 @@ def _run_pair(prm, i, j, flags, tile):
             return
         rc, ck = prm.sub
         for a in range(br // rc):
-            c_lo, c_hi = bsched.chunk_bounds(i, j, a, geom=g, sub=prm.sub, q_offset=prm.q_offset,
-                                             left=prm.left, right=prm.right, xp=jnp)
+            c_lo, c_hi = bsched.chunk_bounds(
+                i,
+                j,
+                a,
+                geom=g,
+                sub=prm.sub,
+                q_offset=prm.q_offset,
+                left=prm.left,
+                right=prm.right,
+                xp=jnp,
+            )
 
             def body(c, carry, a=a):
                 tile(True, a * rc, rc, pl.multiple_of(c * ck, ck), ck)
@@ -292,7 +304,8 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams):
         alpha = jnp.exp(m_prev - m_new)
         l_new = alpha * _rows(l_ref, r0, rc).reshape(n, 1) + jnp.sum(p, axis=1, keepdims=True)
         acc = alpha * _rows(acc_ref, r0, rc).reshape(n, prm.head_dim_v) + lax.dot_general(
-            p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
+            p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32
+        )
         _set_rows(m_ref, r0, rc, m_new.reshape(gb, rc, 1))
         _set_rows(l_ref, r0, rc, l_new.reshape(gb, rc, 1))
         _set_rows(acc_ref, r0, rc, acc.reshape(gb, rc, prm.head_dim_v))
@@ -466,12 +479,18 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams):
 
 def _meta_specs(outer_is_q):
     def q_blk(word):
-        return (word >> bsched.OUTER_SHIFT) if outer_is_q else (
-            (word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1))
+        return (
+            (word >> bsched.OUTER_SHIFT)
+            if outer_is_q
+            else ((word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1))
+        )
 
     def kv_blk(word):
-        return ((word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1)) if outer_is_q else (
-            word >> bsched.OUTER_SHIFT)
+        return (
+            ((word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1))
+            if outer_is_q
+            else (word >> bsched.OUTER_SHIFT)
+        )
 
     return q_blk, kv_blk
 
@@ -482,9 +501,11 @@ def _common_specs(prm, outer_is_q, batch_meta):
     gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
     q_blk, kv_blk = _meta_specs(outer_is_q)
     q_spec = lambda d: pl.BlockSpec(  # noqa: E731
-        (None, None, gb, br, d), lambda b, h, p, s: (b, h, 0, q_blk(s[p]), 0))
+        (None, None, gb, br, d), lambda b, h, p, s: (b, h, 0, q_blk(s[p]), 0)
+    )
     kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
-        (None, None, bkv, d), lambda b, h, p, s: (b, h, kv_blk(s[p]), 0))
+        (None, None, bkv, d), lambda b, h, p, s: (b, h, kv_blk(s[p]), 0)
+    )
     row_spec = pl.BlockSpec((None, None, gb, br), lambda b, h, p, s: (b, h, 0, q_blk(s[p])))
     mb = (lambda b: b) if batch_meta else (lambda b: 0)
     qmeta_spec = pl.BlockSpec((None, 1, br), lambda b, h, p, s: (mb(b), 0, q_blk(s[p])))
@@ -513,8 +534,7 @@ def _compiler_params(prm):
 def _fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
-    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
-        prm, True, batch_meta)
+    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(prm, True, batch_meta)
     args, specs = [], []
     if prm.has_sinks:
         args.append(sinks.astype(jnp.float32))
@@ -540,8 +560,9 @@ def _fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
     cost = pl.CostEstimate(
         flops=int(b * hkv * steps * 2 * g.rows * g.block_kv * (prm.head_dim + prm.head_dim_v)),
         transcendentals=int(b * hkv * steps * g.rows * g.block_kv),
-        bytes_accessed=int(itemsize * (q5.size + k.size + v.size + q5.size // prm.head_dim
-                                       * prm.head_dim_v)),
+        bytes_accessed=int(
+            itemsize * (q5.size + k.size + v.size + q5.size // prm.head_dim * prm.head_dim_v)
+        ),
     )
     return pl.pallas_call(
         functools.partial(_fwd_kernel, prm=prm),
@@ -562,11 +583,16 @@ def _fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
 
 def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
     """Operands and BlockSpecs shared by the dK/dV and dQ kernels (they differ in walk order)."""
-    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(
-        prm, outer_is_q, batch_meta)
+    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(prm, outer_is_q, batch_meta)
     args = [q5, k, v, do5, lse, delta]
-    specs = [q_spec(prm.head_dim), kv_spec(prm.head_dim), kv_spec(prm.head_dim_v),
-             q_spec(prm.head_dim_v), row_spec, row_spec]
+    specs = [
+        q_spec(prm.head_dim),
+        kv_spec(prm.head_dim),
+        kv_spec(prm.head_dim_v),
+        q_spec(prm.head_dim_v),
+        row_spec,
+        row_spec,
+    ]
     margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
     return args + margs, specs + mspecs, q_spec, kv_spec
 
@@ -609,8 +635,9 @@ def _dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
             grid=(b, hkv, sched.shape[0]),
             in_specs=specs,
             out_specs=q_spec(prm.head_dim),
-            scratch_shapes=[pltpu.VMEM((prm.heads_in_block, g.block_pos, prm.head_dim),
-                                       jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((prm.heads_in_block, g.block_pos, prm.head_dim), jnp.float32)
+            ],
         ),
         compiler_params=_compiler_params(prm),
         interpret=interpret,
@@ -637,8 +664,7 @@ def _attention_core(st: _Static, q5, k, v, sinks, aux):
 
 
 def _forward(st, q5, k, v, sinks, aux):
-    return _fwd_call(st.fwd, q5, k, v, sinks, aux, aux["sched_fwd"], st.interpret,
-                     st.batch_meta)
+    return _fwd_call(st.fwd, q5, k, v, sinks, aux, aux["sched_fwd"], st.interpret, st.batch_meta)
 
 
 def _core_fwd(st, q5, k, v, sinks, aux):
@@ -655,9 +681,12 @@ def _core_bwd(st, res, cts):
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
     do5 = do5.astype(q5.dtype)
-    dk, dv = _dkdv_call(st.dkdv, q5, k, v, do5, lse, delta, aux, aux["sched_dkdv"], st.interpret,
-                        st.batch_meta)
-    dq5 = _dq_call(st.dq, q5, k, v, do5, lse, delta, aux, aux["sched_dq"], st.interpret, st.batch_meta)
+    dk, dv = _dkdv_call(
+        st.dkdv, q5, k, v, do5, lse, delta, aux, aux["sched_dkdv"], st.interpret, st.batch_meta
+    )
+    dq5 = _dq_call(
+        st.dq, q5, k, v, do5, lse, delta, aux, aux["sched_dq"], st.interpret, st.batch_meta
+    )
     dsinks = None
     if sinks is not None:
         dsinks = _sink_grad(st.fwd, sinks, lse, delta).astype(sinks.dtype)
@@ -692,14 +721,35 @@ def _band(causal, left, right):
     return left, right
 
 
-def _params(geom, pb: checks.Problem, *, scale, softcap, causal, q_offset, has_qpos,
-            has_segments, has_sinks, generation, sub_block):
+def _params(
+    geom,
+    pb: checks.Problem,
+    *,
+    scale,
+    softcap,
+    causal,
+    q_offset,
+    has_qpos,
+    has_segments,
+    has_sinks,
+    generation,
+    sub_block,
+):
     left, right = _band(causal, pb.left, pb.right)
     return KernelParams(
-        geom=geom, group=pb.group, head_dim=pb.head_dim, head_dim_v=pb.head_dim_v,
-        scale=float(scale), softcap=(float(softcap) if softcap else None), causal=causal,
-        left=left, right=right, q_offset=q_offset, has_qpos=has_qpos,
-        has_segments=has_segments, has_sinks=has_sinks,
+        geom=geom,
+        group=pb.group,
+        head_dim=pb.head_dim,
+        head_dim_v=pb.head_dim_v,
+        scale=float(scale),
+        softcap=(float(softcap) if softcap else None),
+        causal=causal,
+        left=left,
+        right=right,
+        q_offset=q_offset,
+        has_qpos=has_qpos,
+        has_segments=has_segments,
+        has_sinks=has_sinks,
         vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
         sub=bsched.sub_tiles(geom, sub_block, eligible=not (has_qpos or has_segments)),
     )
@@ -738,10 +788,23 @@ def _rows_meta(x, grp, seq_major):
     return x[:, None, :].astype(jnp.int32)
 
 
-def flash_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=None, sinks=None,
-                    softmax_scale=None, q_segment_ids=None, kv_segment_ids=None,
-                    block_sizes: tiling.BlockSizes | None = None, generation=None,
-                    interpret=False, return_lse=False):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    sinks=None,
+    softmax_scale=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    block_sizes: tiling.BlockSizes | None = None,
+    generation=None,
+    interpret=False,
+    return_lse=False,
+):
     """Flash attention, q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv].
 
     causal: bottom-right aligned when Sq != Skv (query i sees keys
@@ -755,35 +818,63 @@ def flash_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=None
     Returns out [B, Hq, Sq, Dv] (and logsumexp [B, Hq, Sq] f32 with
     return_lse; +inf for rows that see no key).
     """
-    pb = checks.check_inputs(q, k, v, sinks=sinks, window_size=window_size, softcap=softcap,
-                             softmax_scale=softmax_scale, q_segment_ids=q_segment_ids,
-                             kv_segment_ids=kv_segment_ids)
+    pb = checks.check_inputs(
+        q,
+        k,
+        v,
+        sinks=sinks,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
     generation = tiling.check_generation(generation or tiling.detect_generation())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
     out_dtype = q.dtype
     if pb.q_len == 0 or pb.kv_len == 0:
         return _empty_result(q, v, pb, sinks, return_lse)
     q, k, v = _compute_dtype(q, k, v)
-    plan = tiling.plan(generation=generation, q_len=pb.q_len, kv_len=pb.kv_len, group=pb.group,
-                       head_dim=pb.head_dim, head_dim_v=pb.head_dim_v,
-                       itemsize=q.dtype.itemsize, block_sizes=block_sizes)
+    plan = tiling.plan(
+        generation=generation,
+        q_len=pb.q_len,
+        kv_len=pb.kv_len,
+        group=pb.group,
+        head_dim=pb.head_dim,
+        head_dim_v=pb.head_dim_v,
+        itemsize=q.dtype.itemsize,
+        block_sizes=block_sizes,
+    )
     has_seg = q_segment_ids is not None
     q_offset = pb.kv_len - pb.q_len
     grp = pb.group
 
     def prm(geom):
-        return _params(geom, pb, scale=scale, softcap=softcap, causal=causal,
-                       q_offset=q_offset, has_qpos=geom.seq_major, has_segments=has_seg,
-                       has_sinks=sinks is not None, generation=generation,
-                       sub_block=plan.sub_block)
+        return _params(
+            geom,
+            pb,
+            scale=scale,
+            softcap=softcap,
+            causal=causal,
+            q_offset=q_offset,
+            has_qpos=geom.seq_major,
+            has_segments=has_seg,
+            has_sinks=sinks is not None,
+            generation=generation,
+            sub_block=plan.sub_block,
+        )
 
     st = _Static(prm(plan.fwd), prm(plan.dkdv), prm(plan.dq), bool(interpret), has_seg)
-    kw = dict(q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right,
-              segmented=has_seg)
+    kw = dict(
+        q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right, segmented=has_seg
+    )
     (sched_fwd,) = bsched.dense_schedules(plan.fwd, None, **kw)
     (sched_dq, sched_dkdv) = bsched.dense_schedules(plan.dq, plan.dkdv, **kw)
-    aux = {"sched_fwd": jnp.asarray(sched_fwd), "sched_dkdv": jnp.asarray(sched_dkdv),
-           "sched_dq": jnp.asarray(sched_dq)}
+    aux = {
+        "sched_fwd": jnp.asarray(sched_fwd),
+        "sched_dkdv": jnp.asarray(sched_dkdv),
+        "sched_dq": jnp.asarray(sched_dq),
+    }
     seq_major = plan.fwd.seq_major
     if seq_major:
         rows = jnp.arange(pb.q_len * grp, dtype=jnp.int32)
@@ -830,10 +921,25 @@ def _empty_result(q, v, pb, sinks, return_lse, varlen=False):
     return out, lse
 
 
-def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           causal=False, window_size=(-1, -1), softcap=None, sinks=None,
-                           softmax_scale=None, block_sizes: tiling.BlockSizes | None = None,
-                           generation=None, interpret=False, return_lse=False):
+def flash_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    sinks=None,
+    softmax_scale=None,
+    block_sizes: tiling.BlockSizes | None = None,
+    generation=None,
+    interpret=False,
+    return_lse=False,
+):
     """Packed variable-length attention (flash-attn varlen convention).
 
     q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv];
@@ -843,42 +949,74 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     device from cu_seqlens with a static bound derived from max_seqlen_k.
     Returns out [total_q, Hq, Dv] (and logsumexp [Hq, total_q]).
     """
-    pb = checks.check_inputs(q, k, v, varlen=True, sinks=sinks, window_size=window_size,
-                             softcap=softcap, softmax_scale=softmax_scale,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    pb = checks.check_inputs(
+        q,
+        k,
+        v,
+        varlen=True,
+        sinks=sinks,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
     generation = tiling.check_generation(generation or tiling.detect_generation())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
     out_dtype = q.dtype
     if pb.q_len == 0 or pb.kv_len == 0:
         return _empty_result(q, v, pb, sinks, return_lse, varlen=True)
     q, k, v = _compute_dtype(q, k, v)
-    plan = tiling.plan(generation=generation, q_len=pb.q_len, kv_len=pb.kv_len, group=pb.group,
-                       head_dim=pb.head_dim, head_dim_v=pb.head_dim_v,
-                       itemsize=q.dtype.itemsize, block_sizes=block_sizes)
+    plan = tiling.plan(
+        generation=generation,
+        q_len=pb.q_len,
+        kv_len=pb.kv_len,
+        group=pb.group,
+        head_dim=pb.head_dim,
+        head_dim_v=pb.head_dim_v,
+        itemsize=q.dtype.itemsize,
+        block_sizes=block_sizes,
+    )
     grp, hkv = pb.group, pb.num_kv_heads
     cu_q = cu_seqlens_q.astype(jnp.int32)
     cu_k = cu_seqlens_k.astype(jnp.int32)
-    kw = dict(group=grp, causal=causal, left=pb.left, right=pb.right,
-              max_seqlen_k=int(max_seqlen_k))
+    kw = dict(
+        group=grp, causal=causal, left=pb.left, right=pb.right, max_seqlen_k=int(max_seqlen_k)
+    )
     seg, pos, (sched_fwd, _) = bsched.varlen_schedules(
-        cu_q, cu_k, pb.q_len, pb.kv_len, plan.fwd, plan.dkdv, **kw)
+        cu_q, cu_k, pb.q_len, pb.kv_len, plan.fwd, plan.dkdv, **kw
+    )
     _, _, (sched_dq, sched_dkdv) = bsched.varlen_schedules(
-        cu_q, cu_k, pb.q_len, pb.kv_len, plan.dq, plan.dkdv, **kw)
+        cu_q, cu_k, pb.q_len, pb.kv_len, plan.dq, plan.dkdv, **kw
+    )
     t_k = jnp.arange(pb.kv_len, dtype=jnp.int32)
     kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="right") - 1, 0, cu_k.shape[0] - 2)
     seq_major = plan.fwd.seq_major
     aux = {
-        "sched_fwd": sched_fwd, "sched_dkdv": sched_dkdv, "sched_dq": sched_dq,
+        "sched_fwd": sched_fwd,
+        "sched_dkdv": sched_dkdv,
+        "sched_dq": sched_dq,
         "qpos": _rows_meta(pos[None], grp, seq_major),
         "qseg": _rows_meta(seg[None], grp, seq_major),
         "kseg": kseg[None, None, :].astype(jnp.int32),
     }
 
     def prm(geom):
-        return _params(geom, pb, scale=scale, softcap=softcap, causal=causal, q_offset=0,
-                       has_qpos=True, has_segments=True, has_sinks=sinks is not None,
-                       generation=generation, sub_block=plan.sub_block)
+        return _params(
+            geom,
+            pb,
+            scale=scale,
+            softcap=softcap,
+            causal=causal,
+            q_offset=0,
+            has_qpos=True,
+            has_segments=True,
+            has_sinks=sinks is not None,
+            generation=generation,
+            sub_block=plan.sub_block,
+        )
 
     st = _Static(prm(plan.fwd), prm(plan.dkdv), prm(plan.dq), bool(interpret), False)
     # [T, H, D] -> [1, H, T, D] kernel layout.

@@ -35,8 +35,13 @@ LIB = OpLibrary("flash_attention_tpu", Path(__file__).parent)
 
 LAYOUTS = ("bhsd", "bshd")
 _INT_DTYPES = (torch.int32, torch.int64)
-_JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
-               torch.int32: jnp.int32, torch.int64: jnp.int32}
+_JAX_DTYPES = {
+    torch.float32: jnp.float32,
+    torch.bfloat16: jnp.bfloat16,
+    torch.float16: jnp.float16,
+    torch.int32: jnp.int32,
+    torch.int64: jnp.int32,
+}
 # max_seqlen_k only bounds the length of the varlen block schedule, so it is
 # rounded up to this multiple: calls whose longest sequence differs a little
 # share one compiled program (a few more placeholder steps, no recompile).
@@ -54,22 +59,64 @@ def _softcap(softcap: float):
 # -- dense ---------------------------------------------------------------------
 
 
-def _dense_kernel(q, k, v, sinks, q_segment_ids, kv_segment_ids, layout, causal, window_left,
-                  window_right, softcap, softmax_scale, *, interpret):
+def _dense_kernel(
+    q,
+    k,
+    v,
+    sinks,
+    q_segment_ids,
+    kv_segment_ids,
+    layout,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    softmax_scale,
+    *,
+    interpret,
+):
     out = _jax_flash_attention(
-        _to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), causal=causal,
-        window_size=(window_left, window_right), softcap=_softcap(softcap), sinks=sinks,
-        softmax_scale=softmax_scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        interpret=interpret)
+        _to_bhsd(q, layout),
+        _to_bhsd(k, layout),
+        _to_bhsd(v, layout),
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=_softcap(softcap),
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        interpret=interpret,
+    )
     return _to_bhsd(out, layout)
 
 
-def _dense_reference(q, k, v, sinks, q_segment_ids, kv_segment_ids, layout, causal, window_left,
-                     window_right, softcap, softmax_scale):
+def _dense_reference(
+    q,
+    k,
+    v,
+    sinks,
+    q_segment_ids,
+    kv_segment_ids,
+    layout,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    softmax_scale,
+):
     out, _ = reference.attention_reference(
-        _to_bhsd(q, layout), _to_bhsd(k, layout), _to_bhsd(v, layout), causal=causal,
-        window_size=(window_left, window_right), softcap=_softcap(softcap), sinks=sinks,
-        softmax_scale=softmax_scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+        _to_bhsd(q, layout),
+        _to_bhsd(k, layout),
+        _to_bhsd(v, layout),
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=_softcap(softcap),
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
     return _to_bhsd(out, layout).astype(q.dtype)
 
 
@@ -77,23 +124,64 @@ _flash_attention = LIB.define_differentiable(
     "flash_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? q_segment_ids, Tensor? kv_segment_ids, "
     "str layout, bool causal, int window_left, int window_right, float softcap, float softmax_scale) -> Tensor",
-    kernel=_dense_kernel, reference=_dense_reference, differentiable=("q", "k", "v", "sinks"),
+    kernel=_dense_kernel,
+    reference=_dense_reference,
+    differentiable=("q", "k", "v", "sinks"),
 )
 
 
 # -- varlen --------------------------------------------------------------------
 
 
-def _varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, max_seqlen_k, causal,
-                   window_left, window_right, softcap, softmax_scale, *, interpret):
+def _varlen_kernel(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    sinks,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    softmax_scale,
+    *,
+    interpret,
+):
     return _jax_flash_attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        window_size=(window_left, window_right), softcap=_softcap(softcap), sinks=sinks,
-        softmax_scale=softmax_scale, interpret=interpret)
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        window_size=(window_left, window_right),
+        softcap=_softcap(softcap),
+        sinks=sinks,
+        softmax_scale=softmax_scale,
+        interpret=interpret,
+    )
 
 
-def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, max_seqlen_k, causal,
-                      window_left, window_right, softcap, softmax_scale):
+def _varlen_reference(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    sinks,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    window_left,
+    window_right,
+    softcap,
+    softmax_scale,
+):
     """Traceable packed reference (cu_seqlens may be traced, unlike
     reference.attention_reference_varlen): one dense f32 softmax over all
     tokens with an explicit [Tq, Tk] mask, each sequence's queries aligned
@@ -145,7 +233,9 @@ _flash_attention_varlen = LIB.define_differentiable(
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? sinks, "
     "int max_seqlen_q, int max_seqlen_k, bool causal, int window_left, int window_right, "
     "float softcap, float softmax_scale) -> Tensor",
-    kernel=_varlen_kernel, reference=_varlen_reference, differentiable=("q", "k", "v", "sinks"),
+    kernel=_varlen_kernel,
+    reference=_varlen_reference,
+    differentiable=("q", "k", "v", "sinks"),
 )
 
 
@@ -193,8 +283,20 @@ def _scale(softmax_scale, head_dim: int) -> float:
 # -- public op wrappers ----------------------------------------------------------
 
 
-def flash_attention(q, k, v, *, sinks=None, q_segment_ids=None, kv_segment_ids=None, layout="bhsd",
-                    causal=False, window_size=(-1, -1), softcap=None, softmax_scale=None):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    sinks=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="bhsd",
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    softmax_scale=None,
+):
     """Dense attention. layout "bhsd": q [B, Hq, Sq, D], k [B, Hkv, Skv, D],
     v [B, Hkv, Skv, Dv] -> [B, Hq, Sq, Dv]; "bshd": sequence before heads.
 
@@ -209,26 +311,57 @@ def flash_attention(q, k, v, *, sinks=None, q_segment_ids=None, kv_segment_ids=N
     for name, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
         if seg is not None:
             validate.check_tensor(name, seg, ndim=2, dtypes=_INT_DTYPES)
-    validate.check_same_device(q=q, k=k, v=v, s_aux=sinks, q_segment_ids=q_segment_ids,
-                               kv_segment_ids=kv_segment_ids)
+    validate.check_same_device(
+        q=q, k=k, v=v, s_aux=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids
+    )
     perm = None if layout == "bhsd" else (0, 2, 1, 3)
     left, right = checks.window(window_size)
     softcap, softmax_scale = _scalar(softcap), _scalar(softmax_scale)
     if not torch.compiler.is_compiling():
         checks.check_inputs(
-            _Spec(q, perm), _Spec(k, perm), _Spec(v, perm), window_size=(left, right), softcap=softcap,
-            softmax_scale=softmax_scale, sinks=None if sinks is None else _Spec(sinks),
+            _Spec(q, perm),
+            _Spec(k, perm),
+            _Spec(v, perm),
+            window_size=(left, right),
+            softcap=softcap,
+            softmax_scale=softmax_scale,
+            sinks=None if sinks is None else _Spec(sinks),
             q_segment_ids=None if q_segment_ids is None else _Spec(q_segment_ids),
-            kv_segment_ids=None if kv_segment_ids is None else _Spec(kv_segment_ids))
+            kv_segment_ids=None if kv_segment_ids is None else _Spec(kv_segment_ids),
+        )
     seg_q = None if q_segment_ids is None else q_segment_ids.to(torch.int32)
     seg_k = None if kv_segment_ids is None else kv_segment_ids.to(torch.int32)
-    return _flash_attention(q, k, v, sinks, seg_q, seg_k, layout, bool(causal), left, right,
-                            float(softcap or 0.0), _scale(softmax_scale, q.shape[-1]))
+    return _flash_attention(
+        q,
+        k,
+        v,
+        sinks,
+        seg_q,
+        seg_k,
+        layout,
+        bool(causal),
+        left,
+        right,
+        float(softcap or 0.0),
+        _scale(softmax_scale, q.shape[-1]),
+    )
 
 
-def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                           sinks=None, causal=False, window_size=(-1, -1), softcap=None,
-                           softmax_scale=None):
+def flash_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    sinks=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    softmax_scale=None,
+):
     """Packed attention: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv],
     cu_seqlens int32/int64 [num_seqs + 1] -> [Tq, Hq, Dv]. Differentiable in
     q, k, v and sinks."""
@@ -236,25 +369,50 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_common(q, k, v, sinks, 3, names)
     validate.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=_INT_DTYPES)
     validate.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=_INT_DTYPES)
-    validate.check_same_device(q=q, k=k, v=v, s_aux=sinks, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k)
+    validate.check_same_device(
+        q=q, k=k, v=v, s_aux=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+    )
     max_q, max_k = _scalar(max_seqlen_q), _scalar(max_seqlen_k)
     left, right = checks.window(window_size)
     softcap, softmax_scale = _scalar(softcap), _scalar(softmax_scale)
     # Eager host/TPU tensors: checks.py also checks the offsets' values.
     readable = _readable(cu_seqlens_q) and _readable(cu_seqlens_k)
-    cu_q, cu_k = ((cu_seqlens_q.detach().cpu().numpy(), cu_seqlens_k.detach().cpu().numpy())
-                  if readable else (_Spec(cu_seqlens_q), _Spec(cu_seqlens_k)))
+    cu_q, cu_k = (
+        (cu_seqlens_q.detach().cpu().numpy(), cu_seqlens_k.detach().cpu().numpy())
+        if readable
+        else (_Spec(cu_seqlens_q), _Spec(cu_seqlens_k))
+    )
     if not torch.compiler.is_compiling():
         checks.check_inputs(
-            _Spec(q), _Spec(k), _Spec(v), varlen=True, window_size=(left, right), softcap=softcap,
-            softmax_scale=softmax_scale, sinks=None if sinks is None else _Spec(sinks),
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+            _Spec(q),
+            _Spec(k),
+            _Spec(v),
+            varlen=True,
+            window_size=(left, right),
+            softcap=softcap,
+            softmax_scale=softmax_scale,
+            sinks=None if sinks is None else _Spec(sinks),
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+        )
     if readable:
         checks.check_max_seqlen_values(cu_q, cu_k, max_q, max_k)
     max_q, max_k = int(max_q), int(max_k)
     bucket_k = min(k.shape[0], -(-max_k // MAX_SEQLEN_BUCKET) * MAX_SEQLEN_BUCKET)
     return _flash_attention_varlen(
-        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), sinks, max_q,
-        max(max_k, bucket_k), bool(causal), left, right, float(softcap or 0.0),
-        _scale(softmax_scale, q.shape[-1]))
+        q,
+        k,
+        v,
+        cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k.to(torch.int32),
+        sinks,
+        max_q,
+        max(max_k, bucket_k),
+        bool(causal),
+        left,
+        right,
+        float(softcap or 0.0),
+        _scale(softmax_scale, q.shape[-1]),
+    )

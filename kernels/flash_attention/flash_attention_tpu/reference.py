@@ -43,8 +43,9 @@ def assert_close(actual, expected, dtype, kind, what=""):
     assert err <= tol, f"{what}: error {err:.3g} > tol {tol:g} ({jnp.dtype(dtype).name} {kind})"
 
 
-def visibility_mask(q_len, kv_len, *, causal=False, window_size=(-1, -1),
-                    q_segment_ids=None, kv_segment_ids=None):
+def visibility_mask(
+    q_len, kv_len, *, causal=False, window_size=(-1, -1), q_segment_ids=None, kv_segment_ids=None
+):
     """[B or 1, Sq, Skv] bool: query i (bottom-right aligned) may see key j."""
     left, right = window_size
     qi = np.arange(q_len)[:, None] + (kv_len - q_len)
@@ -62,9 +63,19 @@ def visibility_mask(q_len, kv_len, *, causal=False, window_size=(-1, -1),
     return m
 
 
-def attention_reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=None,
-                        sinks=None, softmax_scale=None, q_segment_ids=None,
-                        kv_segment_ids=None):
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    sinks=None,
+    softmax_scale=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+):
     """q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv] -> (out [B, Hq, Sq, Dv] f32, lse f32)."""
     b, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
@@ -75,8 +86,14 @@ def attention_reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") * scale
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
-    mask = visibility_mask(sq, skv, causal=causal, window_size=window_size,
-                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)[:, None]
+    mask = visibility_mask(
+        sq,
+        skv,
+        causal=causal,
+        window_size=window_size,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )[:, None]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     if sinks is not None:
@@ -110,13 +127,19 @@ def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
         if k1 == k0:
             outs.append(jnp.zeros((q1 - q0, hq, dv), jnp.float32))
             sk = kw.get("sinks")
-            lse = (jnp.full((hq, q1 - q0), jnp.inf, jnp.float32) if sk is None else
-                   jnp.broadcast_to(sk.astype(jnp.float32)[:, None], (hq, q1 - q0)))
+            lse = (
+                jnp.full((hq, q1 - q0), jnp.inf, jnp.float32)
+                if sk is None
+                else jnp.broadcast_to(sk.astype(jnp.float32)[:, None], (hq, q1 - q0))
+            )
             lses.append(lse)
             continue
         o, l = attention_reference(
-            q[q0:q1].transpose(1, 0, 2)[None], k[k0:k1].transpose(1, 0, 2)[None],
-            v[k0:k1].transpose(1, 0, 2)[None], **kw)
+            q[q0:q1].transpose(1, 0, 2)[None],
+            k[k0:k1].transpose(1, 0, 2)[None],
+            v[k0:k1].transpose(1, 0, 2)[None],
+            **kw,
+        )
         outs.append(o[0].transpose(1, 0, 2))
         lses.append(l[0])
     if not outs:

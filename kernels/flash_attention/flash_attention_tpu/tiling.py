@@ -75,8 +75,7 @@ class BlockSizes:
     sub_block: int = 256
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "max_rows",
-                     "sub_block"):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "max_rows", "sub_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -135,9 +134,7 @@ def detect_generation() -> str:
 
 def check_generation(generation: str) -> str:
     if generation not in GENERATIONS:
-        raise ValueError(
-            f"generation: expected one of {list(GENERATIONS)}, got {generation!r}"
-        )
+        raise ValueError(f"generation: expected one of {list(GENERATIONS)}, got {generation!r}")
     return generation
 
 
@@ -176,8 +173,9 @@ class Geometry:
         return -(-self.kv_len // self.block_kv)
 
 
-def geometry(block_q: int, block_kv: int, *, q_len: int, kv_len: int, group: int,
-             max_rows: int) -> Geometry:
+def geometry(
+    block_q: int, block_kv: int, *, q_len: int, kv_len: int, group: int, max_rows: int
+) -> Geometry:
     """Clamps configured block sizes to the problem and picks the row layout."""
     bkv = min(block_kv, _round_up(max(kv_len, 1), LANES))
     if q_len < DECODE_MAX_Q_LEN:
@@ -252,8 +250,17 @@ class Plan:
     sub_block: int
 
 
-def plan(*, generation: str, q_len: int, kv_len: int, group: int, head_dim: int,
-         head_dim_v: int, itemsize: int, block_sizes: BlockSizes | None = None) -> Plan:
+def plan(
+    *,
+    generation: str,
+    q_len: int,
+    kv_len: int,
+    group: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    block_sizes: BlockSizes | None = None,
+) -> Plan:
     """Resolves block sizes for one call and checks they fit in VMEM.
 
     Table entries shrink block_kv (then block_q) until they fit; explicit
@@ -265,12 +272,25 @@ def plan(*, generation: str, q_len: int, kv_len: int, group: int, head_dim: int,
         block_sizes = BLOCK_TABLE[(generation, regime(q_len), head_dim_class(head_dim, head_dim_v))]
     bs = block_sizes
     while True:
-        fwd = geometry(bs.block_q, bs.block_kv, q_len=q_len, kv_len=kv_len, group=group,
-                       max_rows=bs.max_rows)
-        dkdv = geometry(bs.block_q_bwd, bs.block_kv_bwd, q_len=q_len, kv_len=kv_len,
-                        group=group, max_rows=bs.max_rows)
-        dq = geometry(bs.block_q_bwd, bs.block_kv_bwd, q_len=q_len, kv_len=kv_len,
-                      group=group, max_rows=bs.max_rows)
+        fwd = geometry(
+            bs.block_q, bs.block_kv, q_len=q_len, kv_len=kv_len, group=group, max_rows=bs.max_rows
+        )
+        dkdv = geometry(
+            bs.block_q_bwd,
+            bs.block_kv_bwd,
+            q_len=q_len,
+            kv_len=kv_len,
+            group=group,
+            max_rows=bs.max_rows,
+        )
+        dq = geometry(
+            bs.block_q_bwd,
+            bs.block_kv_bwd,
+            q_len=q_len,
+            kv_len=kv_len,
+            group=group,
+            max_rows=bs.max_rows,
+        )
         needs = (
             ("forward", fwd_vmem_bytes(fwd.rows, fwd.block_kv, head_dim, head_dim_v, itemsize)),
             ("dK/dV", dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)),
@@ -285,12 +305,14 @@ def plan(*, generation: str, q_len: int, kv_len: int, group: int, head_dim: int,
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
         # then stacked rows.
         if bs.block_kv > 512 or bs.block_kv_bwd > 512:
-            bs = dataclasses.replace(bs, block_kv=max(512, bs.block_kv // 2),
-                                     block_kv_bwd=max(512, bs.block_kv_bwd // 2))
+            bs = dataclasses.replace(
+                bs, block_kv=max(512, bs.block_kv // 2), block_kv_bwd=max(512, bs.block_kv_bwd // 2)
+            )
         elif bs.max_rows > 256:
             bs = dataclasses.replace(bs, max_rows=bs.max_rows // 2)
         elif bs.block_kv > 128 or bs.block_kv_bwd > 128:
-            bs = dataclasses.replace(bs, block_kv=max(128, bs.block_kv // 2),
-                                     block_kv_bwd=max(128, bs.block_kv_bwd // 2))
+            bs = dataclasses.replace(
+                bs, block_kv=max(128, bs.block_kv // 2), block_kv_bwd=max(128, bs.block_kv_bwd // 2)
+            )
         else:
             check_vmem(*over[0], generation)

@@ -45,7 +45,10 @@ class _OnTpuWhenAttached:
     def device(self, runner_device: str) -> None:
         self._device = tpu_or(runner_device)
         if self._device != runner_device:
-            print(f"  (on {self._device}: kernels detected backend {runner_device!r})", file=sys.stderr)
+            print(
+                f"  (on {self._device}: kernels detected backend {runner_device!r})",
+                file=sys.stderr,
+            )
 
 
 def _round_like_kernel(ref32: torch.Tensor, out: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
@@ -66,10 +69,14 @@ def _round_like_kernel(ref32: torch.Tensor, out: torch.Tensor, err: torch.Tensor
 def _reference(lhs, rhs, sizes, out):
     """Grouped matmul in float32 on the host, rounded like the kernel's output `out`."""
     lhs, rhs, out = lhs.cpu().float(), rhs.cpu().float(), out.cpu()
-    ref32, bound, start = torch.zeros(lhs.shape[0], rhs.shape[2]), torch.zeros(lhs.shape[0], rhs.shape[2]), 0
+    ref32, bound, start = (
+        torch.zeros(lhs.shape[0], rhs.shape[2]),
+        torch.zeros(lhs.shape[0], rhs.shape[2]),
+        0,
+    )
     for g, n in enumerate(sizes.tolist()):
-        ref32[start:start + n] = lhs[start:start + n] @ rhs[g]
-        bound[start:start + n] = lhs[start:start + n].abs() @ rhs[g].abs()
+        ref32[start : start + n] = lhs[start : start + n] @ rhs[g]
+        bound[start : start + n] = lhs[start : start + n].abs() @ rhs[g].abs()
         start += n
     # A float32 sum of K products is accurate to ~sqrt(K) ulps of the sum of their magnitudes.
     return _round_like_kernel(ref32, out, bound * lhs.shape[1] ** 0.5 * 2.0**-24)
@@ -80,9 +87,13 @@ class RaggedDotBenchmark(_OnTpuWhenAttached, Benchmark):
 
     def setup_decode_64_tokens_top8(self):
         experts, hidden, inter = 16, 256, 128
-        self.sizes = torch.bincount(torch.randint(0, experts, (64 * 8,)), minlength=experts).to(torch.int32)
+        self.sizes = torch.bincount(torch.randint(0, experts, (64 * 8,)), minlength=experts).to(
+            torch.int32
+        )
         self.lhs = torch.randn(64 * 8, hidden, dtype=torch.bfloat16, device=self.device)
-        self.rhs = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device=self.device) * 0.05
+        self.rhs = (
+            torch.randn(experts, hidden, inter, dtype=torch.bfloat16, device=self.device) * 0.05
+        )
         self.gs = self.sizes.to(self.device)
 
     def benchmark_decode_64_tokens_top8(self):

@@ -67,18 +67,30 @@ def _weights(module):
     return gate_up, module.down_proj, up_bias, down_bias
 
 
-def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
+def experts_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers experts interface: [T, H], [T, k] ids, [T, k] weights -> [T, H]."""
     gate_up, down, up_bias, down_bias = _weights(self)
     activation = _fused_activation(self)
     if activation is None:
         return _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return _moe_experts(
-        hidden_states, top_k_index, top_k_weights, gate_up, down, up_bias, down_bias,
-        int(self.num_experts), bool(self.has_gate), bool(self.is_transposed),
-        bool(getattr(self, "is_concatenated", True)), activation, 0,
-        float(getattr(self, "alpha", 1.702)), float(getattr(self, "limit", 7.0)),
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        up_bias,
+        down_bias,
+        int(self.num_experts),
+        bool(self.has_gate),
+        bool(self.is_transposed),
+        bool(getattr(self, "is_concatenated", True)),
+        activation,
+        0,
+        float(getattr(self, "alpha", 1.702)),
+        float(getattr(self, "limit", 7.0)),
     )
 
 
@@ -106,7 +118,9 @@ def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     keep = valid[order].unsqueeze(-1)
-    weighted = torch.where(keep, out.float(), 0.0) * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    weighted = torch.where(keep, out.float(), 0.0) * top_k_weights.reshape(-1)[
+        order
+    ].float().unsqueeze(-1)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     return weighted[inv].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

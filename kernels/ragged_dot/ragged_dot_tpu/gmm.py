@@ -64,383 +64,434 @@ from . import tiling
 
 
 def _resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype):
-  if isinstance(config, tiling.GmmConfig):
-    return config
-  if config is None or isinstance(config, str):
-    return tiling.gmm_config(m, k, n, g, lhs_dtype, w_dtype=rhs_dtype,
-                             out_dtype=out_dtype, generation=config)
-  raise ValueError(
-      f"config: expected None, a generation name or a GmmConfig, got {config!r}")
+    if isinstance(config, tiling.GmmConfig):
+        return config
+    if config is None or isinstance(config, str):
+        return tiling.gmm_config(
+            m, k, n, g, lhs_dtype, w_dtype=rhs_dtype, out_dtype=out_dtype, generation=config
+        )
+    raise ValueError(f"config: expected None, a generation name or a GmmConfig, got {config!r}")
 
 
 def _local_rows(ends_ref, goff_ref, j, *, m, num_groups):
-  """Rows [lo, hi) of local group j, clamped to [0, m]; empty if out of range."""
-  g = goff_ref[0] + j
-  valid = jnp.logical_and(g >= 0, g < num_groups)
-  gc = jnp.clip(g, 0, num_groups - 1)
-  hi = ends_ref[gc]
-  lo = jnp.where(gc > 0, ends_ref[jnp.maximum(gc - 1, 0)], 0)
-  lo = jnp.clip(lo, 0, m)
-  hi = jnp.clip(hi, lo, m)
-  return lo, jnp.where(valid, hi, lo)
+    """Rows [lo, hi) of local group j, clamped to [0, m]; empty if out of range."""
+    g = goff_ref[0] + j
+    valid = jnp.logical_and(g >= 0, g < num_groups)
+    gc = jnp.clip(g, 0, num_groups - 1)
+    hi = ends_ref[gc]
+    lo = jnp.where(gc > 0, ends_ref[jnp.maximum(gc - 1, 0)], 0)
+    lo = jnp.clip(lo, 0, m)
+    hi = jnp.clip(hi, lo, m)
+    return lo, jnp.where(valid, hi, lo)
 
 
 def _shard_rows(ends_ref, goff_ref, *, m, num_groups, num_local):
-  """Rows [lo, hi) covered by this shard's groups."""
-  g0 = jnp.clip(goff_ref[0], 0, num_groups)
-  g1 = jnp.clip(goff_ref[0] + num_local, 0, num_groups)
-  lo = jnp.where(g0 > 0, ends_ref[jnp.maximum(g0 - 1, 0)], 0)
-  hi = jnp.where(g1 > 0, ends_ref[jnp.maximum(g1 - 1, 0)], 0)
-  lo = jnp.clip(lo, 0, m)
-  return lo, jnp.clip(hi, lo, m)
+    """Rows [lo, hi) covered by this shard's groups."""
+    g0 = jnp.clip(goff_ref[0], 0, num_groups)
+    g1 = jnp.clip(goff_ref[0] + num_local, 0, num_groups)
+    lo = jnp.where(g0 > 0, ends_ref[jnp.maximum(g0 - 1, 0)], 0)
+    hi = jnp.where(g1 > 0, ends_ref[jnp.maximum(g1 - 1, 0)], 0)
+    lo = jnp.clip(lo, 0, m)
+    return lo, jnp.clip(hi, lo, m)
 
 
-def lhs_row_tile(t_i, ends_ref, goff_ref, *, m, block_m, num_groups,
-                 num_local):
-  """Row tile of lhs to hold at grid row t_i: t_i clamped to the tiles that
-  hold this shard's rows, so the others repeat a block and are not fetched."""
-  tiles = -(-m // block_m)
-  lo, hi = _shard_rows(ends_ref, goff_ref, m=m, num_groups=num_groups,
-                       num_local=num_local)
-  first = jnp.minimum(lax.div(lo, block_m), tiles - 1)
-  last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m), first, tiles - 1)
-  return jnp.clip(t_i, first, last)
+def lhs_row_tile(t_i, ends_ref, goff_ref, *, m, block_m, num_groups, num_local):
+    """Row tile of lhs to hold at grid row t_i: t_i clamped to the tiles that
+    hold this shard's rows, so the others repeat a block and are not fetched."""
+    tiles = -(-m // block_m)
+    lo, hi = _shard_rows(ends_ref, goff_ref, m=m, num_groups=num_groups, num_local=num_local)
+    first = jnp.minimum(lax.div(lo, block_m), tiles - 1)
+    last = jnp.clip(lax.div(jnp.maximum(hi - 1, 0), block_m), first, tiles - 1)
+    return jnp.clip(t_i, first, last)
 
 
 def row_passes(r_lo, r_hi, *, sub, chunk, emit):
-  """Calls emit(r0, size) over sublane-aligned passes covering [r_lo, r_hi).
+    """Calls emit(r0, size) over sublane-aligned passes covering [r_lo, r_hi).
 
-  `chunk`-row passes while that many rows remain, then `sub`-row passes, so
-  the MXU sees the group's rows rounded to the sublane tile, not a tile.
-  """
-  # lax.div, not //: floor division lowers through sign(), which Mosaic
-  # resolves against the attached chip (none when compiling ahead of time).
-  a_lo = lax.div(r_lo, sub) * sub
-  a_hi = lax.div(r_hi + sub - 1, sub) * sub
-  n_sub = lax.div(a_hi - a_lo, sub)
-  per_chunk = chunk // sub
-  n_big = lax.div(n_sub, per_chunk)
-  n_small = n_sub - n_big * per_chunk
+    `chunk`-row passes while that many rows remain, then `sub`-row passes, so
+    the MXU sees the group's rows rounded to the sublane tile, not a tile.
+    """
+    # lax.div, not //: floor division lowers through sign(), which Mosaic
+    # resolves against the attached chip (none when compiling ahead of time).
+    a_lo = lax.div(r_lo, sub) * sub
+    a_hi = lax.div(r_hi + sub - 1, sub) * sub
+    n_sub = lax.div(a_hi - a_lo, sub)
+    per_chunk = chunk // sub
+    n_big = lax.div(n_sub, per_chunk)
+    n_small = n_sub - n_big * per_chunk
 
-  def big(i, c):
-    emit(pl.multiple_of(a_lo + i * chunk, sub), chunk)
-    return c
+    def big(i, c):
+        emit(pl.multiple_of(a_lo + i * chunk, sub), chunk)
+        return c
 
-  def small(i, c):
-    emit(pl.multiple_of(a_lo + n_big * chunk + i * sub, sub), sub)
-    return c
+    def small(i, c):
+        emit(pl.multiple_of(a_lo + n_big * chunk + i * sub, sub), sub)
+        return c
 
-  lax.fori_loop(0, n_big, big, 0)
-  if per_chunk > 1:
-    lax.fori_loop(0, n_small, small, 0)
+    lax.fori_loop(0, n_big, big, 0)
+    if per_chunk > 1:
+        lax.fori_loop(0, n_small, small, 0)
 
 
 def for_each_piece(n_pieces, piece):
-  """Runs piece(c, carry) over the column pieces of a slab (unrolled when one)."""
-  if n_pieces == 1:
-    piece(0, 0)
-  else:
-    lax.fori_loop(0, n_pieces, piece, 0)
-
-
-def _gmm_kernel(ends_ref, goff_ref, lhs_ref, rhs_hbm, out_ref, *rest, m,
-                num_groups, num_local, block_m, block_n, chunk_m, sub,
-                n_blocks, transpose_rhs, compute_dtype, precision, trace):
-  if trace:
-    trace_ref, wbuf, sem, active_ref, state_ref = rest
-  else:
-    trace_ref = None
-    wbuf, sem, active_ref, state_ref = rest
-  n_i = pl.program_id(0)
-  t_i = pl.program_id(1)
-  rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m,
-                           num_groups=num_groups)
-
-  # state: 0 = number of active groups, 1 = cursor into the active list for
-  # this N slab, 2 = weight stream items already waited for. Stream item
-  # (n, a) = slab n of active group a; its buffer slot is (n * na + a) % 2.
-  def copy(n_q, a, slot):
-    j = active_ref[a]
-    if n_blocks == 1:
-      # The whole expert: a static offset, so N need not be a multiple of the
-      # 128-lane tile (GPT-OSS: 2880) for Mosaic to prove the DMA aligned.
-      return pltpu.make_async_copy(rhs_hbm.at[j], wbuf.at[slot], sem.at[slot])
-    col = n_q * block_n
-    if block_n % 128 == 0:
-      col = pl.multiple_of(col, 128)
-    if transpose_rhs:
-      src = rhs_hbm.at[j, pl.ds(col, block_n), :]
+    """Runs piece(c, carry) over the column pieces of a slab (unrolled when one)."""
+    if n_pieces == 1:
+        piece(0, 0)
     else:
-      src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
-    return pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])
+        lax.fori_loop(0, n_pieces, piece, 0)
 
-  def start(n_q, a, slot):
-    copy(n_q, a, slot).start()
+
+def _gmm_kernel(
+    ends_ref,
+    goff_ref,
+    lhs_ref,
+    rhs_hbm,
+    out_ref,
+    *rest,
+    m,
+    num_groups,
+    num_local,
+    block_m,
+    block_n,
+    chunk_m,
+    sub,
+    n_blocks,
+    transpose_rhs,
+    compute_dtype,
+    precision,
+    trace,
+):
     if trace:
-      c = trace_ref[0]
-      trace_ref[c + 1] = n_q * num_local + active_ref[a]
-      trace_ref[0] = c + 1
+        trace_ref, wbuf, sem, active_ref, state_ref = rest
+    else:
+        trace_ref = None
+        wbuf, sem, active_ref, state_ref = rest
+    n_i = pl.program_id(0)
+    t_i = pl.program_id(1)
+    rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
 
-  @pl.when(jnp.logical_and(n_i == 0, t_i == 0))
-  def _init():
-    if trace:
-      trace_ref[0] = 0
-
-    def collect(j, count):
-      lo, hi = rows(j)
-      active_ref[count] = j
-      return jnp.where(hi > lo, count + 1, count)
-
-    count = lax.fori_loop(0, num_local, collect, 0)
-    state_ref[0] = count
-    state_ref[2] = 0
-
-    @pl.when(count > 0)
-    def _():
-      start(0, 0, 0)
-
-  @pl.when(t_i == 0)
-  def _new_slab():
-    state_ref[1] = 0
-
-  out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-  na = state_ref[0]
-  tile_lo = t_i * block_m
-  tile_hi = jnp.minimum(tile_lo + block_m, m)
-  piece_n = tiling.piece(block_n)
-  n_pieces = block_n // piece_n
-
-  def process(a, lo, hi):
-    q = n_i * na + a
-    slot = lax.rem(q, 2)
-
-    @pl.when(q >= state_ref[2])
-    def _first_visit():
-      copy(n_i, a, slot).wait()
-      state_ref[2] = q + 1
-      last_a = a + 1 == na
-
-      @pl.when(jnp.logical_not(last_a))
-      def _():
-        start(n_i, a + 1, 1 - slot)
-
-      @pl.when(jnp.logical_and(last_a, n_i + 1 < n_blocks))
-      def _():
-        start(n_i + 1, 0, 1 - slot)
-
-    r_lo = jnp.maximum(lo, tile_lo) - tile_lo
-    r_hi = jnp.minimum(hi, tile_hi) - tile_lo
-
-    def emit(r0, size):
-      x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)
-      ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-      keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
-
-      # The slab is consumed in piece_n-column pieces so the unrolled MXU
-      # code (and its f32 temporaries) stays small however wide the slab is.
-      def piece(c, carry):
-        c0 = pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0
+    # state: 0 = number of active groups, 1 = cursor into the active list for
+    # this N slab, 2 = weight stream items already waited for. Stream item
+    # (n, a) = slab n of active group a; its buffer slot is (n * na + a) % 2.
+    def copy(n_q, a, slot):
+        j = active_ref[a]
+        if n_blocks == 1:
+            # The whole expert: a static offset, so N need not be a multiple of the
+            # 128-lane tile (GPT-OSS: 2880) for Mosaic to prove the DMA aligned.
+            return pltpu.make_async_copy(rhs_hbm.at[j], wbuf.at[slot], sem.at[slot])
+        col = n_q * block_n
+        if block_n % 128 == 0:
+            col = pl.multiple_of(col, 128)
         if transpose_rhs:
-          w = wbuf[slot, pl.ds(c0, piece_n), :]
-          dims = (((1,), (1,)), ((), ()))
+            src = rhs_hbm.at[j, pl.ds(col, block_n), :]
         else:
-          w = wbuf[slot, :, pl.ds(c0, piece_n)]
-          dims = (((1,), (0,)), ((), ()))
-        y = lax.dot_general(x, w, dims, precision=precision,
-                            preferred_element_type=jnp.float32)
-        dst = (pl.ds(r0, size), pl.ds(c0, piece_n))
-        out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
-        return carry
+            src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
+        return pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])
 
-      for_each_piece(n_pieces, piece)
+    def start(n_q, a, slot):
+        copy(n_q, a, slot).start()
+        if trace:
+            c = trace_ref[0]
+            trace_ref[c + 1] = n_q * num_local + active_ref[a]
+            trace_ref[0] = c + 1
 
-    row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
+    @pl.when(jnp.logical_and(n_i == 0, t_i == 0))
+    def _init():
+        if trace:
+            trace_ref[0] = 0
 
-  def cond(carry):
-    a, go = carry
-    return jnp.logical_and(go, a < na)
+        def collect(j, count):
+            lo, hi = rows(j)
+            active_ref[count] = j
+            return jnp.where(hi > lo, count + 1, count)
 
-  def body(carry):
-    a, _ = carry
-    lo, hi = rows(active_ref[a])
-    in_tile = lo < tile_hi
+        count = lax.fori_loop(0, num_local, collect, 0)
+        state_ref[0] = count
+        state_ref[2] = 0
 
-    @pl.when(in_tile)
-    def _():
-      process(a, lo, hi)
+        @pl.when(count > 0)
+        def _():
+            start(0, 0, 0)
 
-    done = jnp.logical_and(in_tile, hi <= tile_hi)
-    return jnp.where(done, a + 1, a), done
+    @pl.when(t_i == 0)
+    def _new_slab():
+        state_ref[1] = 0
 
-  a_end, _ = lax.while_loop(cond, body, (state_ref[1], True))
-  state_ref[1] = a_end
+    out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+    na = state_ref[0]
+    tile_lo = t_i * block_m
+    tile_hi = jnp.minimum(tile_lo + block_m, m)
+    piece_n = tiling.piece(block_n)
+    n_pieces = block_n // piece_n
+
+    def process(a, lo, hi):
+        q = n_i * na + a
+        slot = lax.rem(q, 2)
+
+        @pl.when(q >= state_ref[2])
+        def _first_visit():
+            copy(n_i, a, slot).wait()
+            state_ref[2] = q + 1
+            last_a = a + 1 == na
+
+            @pl.when(jnp.logical_not(last_a))
+            def _():
+                start(n_i, a + 1, 1 - slot)
+
+            @pl.when(jnp.logical_and(last_a, n_i + 1 < n_blocks))
+            def _():
+                start(n_i + 1, 0, 1 - slot)
+
+        r_lo = jnp.maximum(lo, tile_lo) - tile_lo
+        r_hi = jnp.minimum(hi, tile_hi) - tile_lo
+
+        def emit(r0, size):
+            x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)
+            ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+            keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
+
+            # The slab is consumed in piece_n-column pieces so the unrolled MXU
+            # code (and its f32 temporaries) stays small however wide the slab is.
+            def piece(c, carry):
+                c0 = pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0
+                if transpose_rhs:
+                    w = wbuf[slot, pl.ds(c0, piece_n), :]
+                    dims = (((1,), (1,)), ((), ()))
+                else:
+                    w = wbuf[slot, :, pl.ds(c0, piece_n)]
+                    dims = (((1,), (0,)), ((), ()))
+                y = lax.dot_general(
+                    x, w, dims, precision=precision, preferred_element_type=jnp.float32
+                )
+                dst = (pl.ds(r0, size), pl.ds(c0, piece_n))
+                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
+                return carry
+
+            for_each_piece(n_pieces, piece)
+
+        row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
+
+    def cond(carry):
+        a, go = carry
+        return jnp.logical_and(go, a < na)
+
+    def body(carry):
+        a, _ = carry
+        lo, hi = rows(active_ref[a])
+        in_tile = lo < tile_hi
+
+        @pl.when(in_tile)
+        def _():
+            process(a, lo, hi)
+
+        done = jnp.logical_and(in_tile, hi <= tile_hi)
+        return jnp.where(done, a + 1, a), done
+
+    a_end, _ = lax.while_loop(cond, body, (state_ref[1], True))
+    state_ref[1] = a_end
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("transpose_rhs", "preferred_element_type", "config",
-                     "interpret", "_trace"),
+    static_argnames=("transpose_rhs", "preferred_element_type", "config", "interpret", "_trace"),
 )
-def gmm(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False,
-        preferred_element_type=None, config=None, interpret=False,
-        _trace=False):
-  """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
+def gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    group_offset=0,
+    transpose_rhs=False,
+    preferred_element_type=None,
+    config=None,
+    interpret=False,
+    _trace=False,
+):
+    """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
-  Args:
-    lhs: [M, K], rows sorted by group.
-    rhs: [G_local, K, N] (or [G_local, N, K] with transpose_rhs).
-    group_sizes: int32 [G], G >= G_local; rows per group, in order.
-    group_offset: first group held by this shard (int or int32 scalar).
-    transpose_rhs: contract rhs on its last axis (rhs given as [G, N, K]).
-    preferred_element_type: output dtype (default: result type of inputs).
-      Accumulation is always f32; lhs is cast to rhs's dtype for the MXU.
-    config: a tiling.GmmConfig, a generation name, or None (detect).
-    interpret: run the kernel in interpret mode (bool or InterpretParams).
+    Args:
+      lhs: [M, K], rows sorted by group.
+      rhs: [G_local, K, N] (or [G_local, N, K] with transpose_rhs).
+      group_sizes: int32 [G], G >= G_local; rows per group, in order.
+      group_offset: first group held by this shard (int or int32 scalar).
+      transpose_rhs: contract rhs on its last axis (rhs given as [G, N, K]).
+      preferred_element_type: output dtype (default: result type of inputs).
+        Accumulation is always f32; lhs is cast to rhs's dtype for the MXU.
+      config: a tiling.GmmConfig, a generation name, or None (detect).
+      interpret: run the kernel in interpret mode (bool or InterpretParams).
 
-  Returns:
-    [M, N]; rows outside this shard's groups (and past the sum) are zero.
-    With _trace=True also an int32 log of weight DMAs: [count, n*G_local+g...].
-  """
-  m, k = lhs.shape
-  num_local = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  num_groups = group_sizes.shape[0]
-  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-  compute_dtype = rhs.dtype
-  if m == 0 or n == 0 or k == 0 or num_local == 0 or num_groups == 0:
-    out = jnp.zeros((m, n), out_dtype)
-    return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
-  cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, rhs.dtype,
-                        out_dtype)
-  sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)
-  tiling.check_gmm_config(cfg, n, sub)
-  bm, bn = cfg.block_m, cfg.block_n
-  chunk = min(cfg.chunk_m, bm)
-  tiles = pl.cdiv(m, bm)
-  n_blocks = pl.cdiv(n, bn)
+    Returns:
+      [M, N]; rows outside this shard's groups (and past the sum) are zero.
+      With _trace=True also an int32 log of weight DMAs: [count, n*G_local+g...].
+    """
+    m, k = lhs.shape
+    num_local = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    num_groups = group_sizes.shape[0]
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    compute_dtype = rhs.dtype
+    if m == 0 or n == 0 or k == 0 or num_local == 0 or num_groups == 0:
+        out = jnp.zeros((m, n), out_dtype)
+        return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
+    cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, rhs.dtype, out_dtype)
+    sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)
+    tiling.check_gmm_config(cfg, n, sub)
+    bm, bn = cfg.block_m, cfg.block_n
+    chunk = min(cfg.chunk_m, bm)
+    tiles = pl.cdiv(m, bm)
+    n_blocks = pl.cdiv(n, bn)
 
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32), dtype=jnp.int32)
-  goff = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32), dtype=jnp.int32)
+    goff = jnp.asarray(group_offset, jnp.int32).reshape(1)
 
-  def lhs_map(n_i, t_i, ends_ref, goff_ref):
-    return lhs_row_tile(t_i, ends_ref, goff_ref, m=m, block_m=bm,
-                        num_groups=num_groups, num_local=num_local), 0
+    def lhs_map(n_i, t_i, ends_ref, goff_ref):
+        return lhs_row_tile(
+            t_i, ends_ref, goff_ref, m=m, block_m=bm, num_groups=num_groups, num_local=num_local
+        ), 0
 
-  def out_map(n_i, t_i, ends_ref, goff_ref):
-    return t_i, n_i
+    def out_map(n_i, t_i, ends_ref, goff_ref):
+        return t_i, n_i
 
-  single = {} if tiles > 1 else {"pipeline_mode": pl.Buffered(1)}
-  out_single = {} if tiles * n_blocks > 1 else {"pipeline_mode": pl.Buffered(1)}
-  in_specs = [
-      pl.BlockSpec((bm, k), lhs_map, **single),
-      pl.BlockSpec(memory_space=pl.ANY),
-  ]
-  out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
-  out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-  if _trace:
-    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-    out_shape.append(
-        jax.ShapeDtypeStruct((n_blocks * num_local + 1,), jnp.int32))
-  wshape = (2, bn, k) if transpose_rhs else (2, k, bn)
-  scratch = [
-      pltpu.VMEM(wshape, rhs.dtype),
-      pltpu.SemaphoreType.DMA((2,)),
-      pltpu.SMEM((num_local,), jnp.int32),
-      pltpu.SMEM((3,), jnp.int32),
-  ]
-  precision = (lax.Precision.HIGHEST
-               if jnp.dtype(compute_dtype) == jnp.float32 else None)
-  kernel = functools.partial(
-      _gmm_kernel, m=m, num_groups=num_groups, num_local=num_local,
-      block_m=bm, block_n=bn, chunk_m=chunk, sub=sub, n_blocks=n_blocks,
-      transpose_rhs=transpose_rhs, compute_dtype=compute_dtype,
-      precision=precision, trace=_trace)
-  isz = lambda d: jnp.dtype(d).itemsize
-  cost = pl.CostEstimate(
-      flops=2 * m * k * n,
-      transcendentals=0,
-      bytes_accessed=int(m * k * isz(lhs.dtype) + m * n * isz(out_dtype)
-                         + num_local * k * n * isz(rhs.dtype)),
-  )
-  call = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(n_blocks, tiles),
-          in_specs=in_specs,
-          out_specs=out_specs,
-          scratch_shapes=scratch,
-      ),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("arbitrary", "arbitrary"),
-          vmem_limit_bytes=tiling.vmem_limit_for(
-              cfg.vmem_limit_bytes,
-              tiling.gmm_vmem_bytes(m, k, n, bm, bn, chunk, lhs.dtype,
-                                    rhs.dtype, out_dtype)),
-      ),
-      interpret=interpret,
-      cost_estimate=cost,
-      name="ragged_dot_gmm",
-  )
-  res = call(ends, goff, lhs, rhs)
-  return (res[0], res[1]) if _trace else res[0]
+    single = {} if tiles > 1 else {"pipeline_mode": pl.Buffered(1)}
+    out_single = {} if tiles * n_blocks > 1 else {"pipeline_mode": pl.Buffered(1)}
+    in_specs = [
+        pl.BlockSpec((bm, k), lhs_map, **single),
+        pl.BlockSpec(memory_space=pl.ANY),
+    ]
+    out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
+    out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    if _trace:
+        out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        out_shape.append(jax.ShapeDtypeStruct((n_blocks * num_local + 1,), jnp.int32))
+    wshape = (2, bn, k) if transpose_rhs else (2, k, bn)
+    scratch = [
+        pltpu.VMEM(wshape, rhs.dtype),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SMEM((num_local,), jnp.int32),
+        pltpu.SMEM((3,), jnp.int32),
+    ]
+    precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+    kernel = functools.partial(
+        _gmm_kernel,
+        m=m,
+        num_groups=num_groups,
+        num_local=num_local,
+        block_m=bm,
+        block_n=bn,
+        chunk_m=chunk,
+        sub=sub,
+        n_blocks=n_blocks,
+        transpose_rhs=transpose_rhs,
+        compute_dtype=compute_dtype,
+        precision=precision,
+        trace=_trace,
+    )
+    isz = lambda d: jnp.dtype(d).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=int(
+            m * k * isz(lhs.dtype) + m * n * isz(out_dtype) + num_local * k * n * isz(rhs.dtype)
+        ),
+    )
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(n_blocks, tiles),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=tiling.vmem_limit_for(
+                cfg.vmem_limit_bytes,
+                tiling.gmm_vmem_bytes(m, k, n, bm, bn, chunk, lhs.dtype, rhs.dtype, out_dtype),
+            ),
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="ragged_dot_gmm",
+    )
+    res = call(ends, goff, lhs, rhs)
+    return (res[0], res[1]) if _trace else res[0]
 
 
-def gmm_dma_schedule(group_sizes, m, k, n, num_local, cfg: tiling.GmmConfig,
-                     *, group_offset=0, lhs_bytes=2, rhs_bytes=2, out_bytes=2):
-  """Walks the gmm grid on the host for the performance model.
+def gmm_dma_schedule(
+    group_sizes,
+    m,
+    k,
+    n,
+    num_local,
+    cfg: tiling.GmmConfig,
+    *,
+    group_offset=0,
+    lhs_bytes=2,
+    rhs_bytes=2,
+    out_bytes=2,
+):
+    """Walks the gmm grid on the host for the performance model.
 
-  lhs fetches come from evaluating the kernel's own lhs index map
-  (``lhs_row_tile``) step by step; a block is fetched when its index changes.
-  Weight DMAs are listed in the order the kernel issues them (tests compare
-  this list with the kernel's own log, ``gmm(..., _trace=True)``).
+    lhs fetches come from evaluating the kernel's own lhs index map
+    (``lhs_row_tile``) step by step; a block is fetched when its index changes.
+    Weight DMAs are listed in the order the kernel issues them (tests compare
+    this list with the kernel's own log, ``gmm(..., _trace=True)``).
 
-  Returns a dict with the grid step count, the weight DMAs as (n_slab,
-  local_group), HBM bytes of each operand, and MXU rows issued per N slab
-  (mxu_flops covers all slabs).
-  """
-  gs = np.asarray(group_sizes, np.int64)
-  ends = np.minimum(np.cumsum(gs), m)
-  starts = np.concatenate([[0], ends[:-1]])
-  starts = np.minimum(starts, m)
-  bm, bn = cfg.block_m, cfg.block_n
-  tiles = -(-m // bm)
-  n_blocks = -(-n // bn)
-  sub = 16 if min(lhs_bytes, rhs_bytes, out_bytes) == 2 else 8
-  local = [group_offset + j for j in range(num_local)]
-  active = [j for j, g in enumerate(local)
-            if 0 <= g < len(gs) and ends[g] > starts[g]]
-  dmas = [(nb, j) for nb in range(n_blocks) for j in active]
-  ends_i32 = jnp.asarray(np.cumsum(gs), jnp.int32)
-  goff = jnp.asarray([group_offset], jnp.int32)
-  lhs_total, prev = 0, None
-  for nb in range(n_blocks):
-    for t in range(tiles):
-      # The kernel's own lhs index map, evaluated on the host.
-      idx = int(lhs_row_tile(jnp.int32(t), ends_i32, goff, m=m, block_m=bm,
-                             num_groups=len(gs), num_local=num_local))
-      if idx != prev:
-        # A block that overhangs the array end only moves the rows that exist.
-        lhs_total += min(bm, m - idx * bm) * k * lhs_bytes
-        prev = idx
-  mxu_rows = 0
-  for j in active:
-    g = local[j]
-    for t in range(tiles):
-      a, b = max(starts[g], t * bm), min(ends[g], t * bm + bm)
-      if a >= b:
-        continue
-      r_lo, r_hi = a - t * bm, b - t * bm
-      mxu_rows += (-(-r_hi // sub) - r_lo // sub) * sub
-  w_slab = k * bn * rhs_bytes
-  return {
-      "grid_steps": n_blocks * tiles,
-      "weight_dmas": dmas,
-      "active_groups": active,
-      "rhs_bytes": len(dmas) * w_slab,
-      "lhs_bytes": int(lhs_total),
-      "out_bytes": m * n * out_bytes,
-      "mxu_rows": int(mxu_rows),
-      "mxu_flops": 2 * int(mxu_rows) * k * n,
-  }
+    Returns a dict with the grid step count, the weight DMAs as (n_slab,
+    local_group), HBM bytes of each operand, and MXU rows issued per N slab
+    (mxu_flops covers all slabs).
+    """
+    gs = np.asarray(group_sizes, np.int64)
+    ends = np.minimum(np.cumsum(gs), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    starts = np.minimum(starts, m)
+    bm, bn = cfg.block_m, cfg.block_n
+    tiles = -(-m // bm)
+    n_blocks = -(-n // bn)
+    sub = 16 if min(lhs_bytes, rhs_bytes, out_bytes) == 2 else 8
+    local = [group_offset + j for j in range(num_local)]
+    active = [j for j, g in enumerate(local) if 0 <= g < len(gs) and ends[g] > starts[g]]
+    dmas = [(nb, j) for nb in range(n_blocks) for j in active]
+    ends_i32 = jnp.asarray(np.cumsum(gs), jnp.int32)
+    goff = jnp.asarray([group_offset], jnp.int32)
+    lhs_total, prev = 0, None
+    for nb in range(n_blocks):
+        for t in range(tiles):
+            # The kernel's own lhs index map, evaluated on the host.
+            idx = int(
+                lhs_row_tile(
+                    jnp.int32(t),
+                    ends_i32,
+                    goff,
+                    m=m,
+                    block_m=bm,
+                    num_groups=len(gs),
+                    num_local=num_local,
+                )
+            )
+            if idx != prev:
+                # A block that overhangs the array end only moves the rows that exist.
+                lhs_total += min(bm, m - idx * bm) * k * lhs_bytes
+                prev = idx
+    mxu_rows = 0
+    for j in active:
+        g = local[j]
+        for t in range(tiles):
+            a, b = max(starts[g], t * bm), min(ends[g], t * bm + bm)
+            if a >= b:
+                continue
+            r_lo, r_hi = a - t * bm, b - t * bm
+            mxu_rows += (-(-r_hi // sub) - r_lo // sub) * sub
+    w_slab = k * bn * rhs_bytes
+    return {
+        "grid_steps": n_blocks * tiles,
+        "weight_dmas": dmas,
+        "active_groups": active,
+        "rhs_bytes": len(dmas) * w_slab,
+        "lhs_bytes": int(lhs_total),
+        "out_bytes": m * n * out_bytes,
+        "mxu_rows": int(mxu_rows),
+        "mxu_flops": 2 * int(mxu_rows) * k * n,
+    }

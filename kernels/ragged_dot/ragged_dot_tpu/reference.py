@@ -23,57 +23,59 @@ import numpy as np
 
 
 def tolerance(dtype, k: int = 128, scale: float = 1.0) -> dict:
-  if jnp.dtype(dtype) == jnp.float32:
-    tol = 1e-4 * max(1.0, (k / 64) ** 0.5)
-    return {"atol": tol * scale, "rtol": tol}
-  return {"atol": 2e-2 * scale, "rtol": 2e-2}
+    if jnp.dtype(dtype) == jnp.float32:
+        tol = 1e-4 * max(1.0, (k / 64) ** 0.5)
+        return {"atol": tol * scale, "rtol": tol}
+    return {"atol": 2e-2 * scale, "rtol": 2e-2}
 
 
 def shard_rows(group_sizes, group_offset, num_local):
-  """[lo, hi): rows covered by groups [group_offset, group_offset + num_local)."""
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  starts = ends - group_sizes.astype(jnp.int32)
-  g0 = jnp.asarray(group_offset, jnp.int32)
-  return starts[g0], ends[g0 + num_local - 1]
+    """[lo, hi): rows covered by groups [group_offset, group_offset + num_local)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    g0 = jnp.asarray(group_offset, jnp.int32)
+    return starts[g0], ends[g0 + num_local - 1]
 
 
-def ragged_dot_reference(lhs, rhs, group_sizes, group_offset=0,
-                         preferred_element_type=None):
-  """ragged_dot with rows past the sum, and other shards' rows, exactly zero.
+def ragged_dot_reference(lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None):
+    """ragged_dot with rows past the sum, and other shards' rows, exactly zero.
 
-  rhs holds groups [group_offset, group_offset + rhs.shape[0]) of the
-  len(group_sizes) groups; computed in f32 at HIGHEST precision.
-  """
-  out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-  g_total, g_local = group_sizes.shape[0], rhs.shape[0]
-  m = lhs.shape[0]
-  full = jnp.zeros((g_total,) + rhs.shape[1:], jnp.float32)
-  full = lax.dynamic_update_slice(
-      full, rhs.astype(jnp.float32),
-      (jnp.asarray(group_offset, jnp.int32), 0, 0))
-  out = lax.ragged_dot(lhs.astype(jnp.float32), full,
-                       group_sizes.astype(jnp.int32),
-                       precision=lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32)
-  lo, hi = shard_rows(group_sizes, group_offset, g_local)
-  r = jnp.arange(m)[:, None]
-  out = jnp.where((r >= lo) & (r < hi), out, 0.0)
-  return out.astype(out_dtype)
+    rhs holds groups [group_offset, group_offset + rhs.shape[0]) of the
+    len(group_sizes) groups; computed in f32 at HIGHEST precision.
+    """
+    out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    g_total, g_local = group_sizes.shape[0], rhs.shape[0]
+    m = lhs.shape[0]
+    full = jnp.zeros((g_total,) + rhs.shape[1:], jnp.float32)
+    full = lax.dynamic_update_slice(
+        full, rhs.astype(jnp.float32), (jnp.asarray(group_offset, jnp.int32), 0, 0)
+    )
+    out = lax.ragged_dot(
+        lhs.astype(jnp.float32),
+        full,
+        group_sizes.astype(jnp.int32),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    lo, hi = shard_rows(group_sizes, group_offset, g_local)
+    r = jnp.arange(m)[:, None]
+    out = jnp.where((r >= lo) & (r < hi), out, 0.0)
+    return out.astype(out_dtype)
 
 
-def tgmm_reference(lhs, grad, group_sizes, group_offset=0, num_groups=None,
-                   preferred_element_type=None):
-  """Per-group lhs_g^T @ grad_g in f32 (numpy loop; for tests)."""
-  gs = np.asarray(group_sizes, np.int64)
-  num_groups = len(gs) if num_groups is None else num_groups
-  ends = np.cumsum(gs)
-  starts = ends - gs
-  lhs32 = np.asarray(jnp.asarray(lhs, jnp.float32))
-  grad32 = np.asarray(jnp.asarray(grad, jnp.float32))
-  out = np.zeros((num_groups, lhs32.shape[1], grad32.shape[1]), np.float32)
-  for j in range(num_groups):
-    g = group_offset + j
-    a, b = starts[g], ends[g]
-    out[j] = lhs32[a:b].T.astype(np.float64) @ grad32[a:b].astype(np.float64)
-  return jnp.asarray(out).astype(preferred_element_type or lhs.dtype)
-
+def tgmm_reference(
+    lhs, grad, group_sizes, group_offset=0, num_groups=None, preferred_element_type=None
+):
+    """Per-group lhs_g^T @ grad_g in f32 (numpy loop; for tests)."""
+    gs = np.asarray(group_sizes, np.int64)
+    num_groups = len(gs) if num_groups is None else num_groups
+    ends = np.cumsum(gs)
+    starts = ends - gs
+    lhs32 = np.asarray(jnp.asarray(lhs, jnp.float32))
+    grad32 = np.asarray(jnp.asarray(grad, jnp.float32))
+    out = np.zeros((num_groups, lhs32.shape[1], grad32.shape[1]), np.float32)
+    for j in range(num_groups):
+        g = group_offset + j
+        a, b = starts[g], ends[g]
+        out[j] = lhs32[a:b].T.astype(np.float64) @ grad32[a:b].astype(np.float64)
+    return jnp.asarray(out).astype(preferred_element_type or lhs.dtype)

@@ -58,7 +58,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from ._torch_bindings import tpu_info
@@ -72,26 +71,34 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-  name: str
-  vmem_capacity: int
-  vmem_budget: int
-  default_scoped_vmem: int
-  decode_max_rows: int
-  prefill_block_m: int
-  chunk_m: int
-  hbm_bytes_per_s: float
-  peak_flops: float
+    name: str
+    vmem_capacity: int
+    vmem_budget: int
+    default_scoped_vmem: int
+    decode_max_rows: int
+    prefill_block_m: int
+    chunk_m: int
+    hbm_bytes_per_s: float
+    peak_flops: float
 
 
 def _generation(name: str, decode_max_rows: int, prefill_block_m: int) -> Generation:
-  """Table entry: hardware facts from tpu_info, block choices from here.
+    """Table entry: hardware facts from tpu_info, block choices from here.
 
-  chunk_m (the MXU pass height) is the MXU width.
-  """
-  f = tpu_info.facts(name)
-  return Generation(name, f.vmem_capacity_bytes, tpu_info.vmem_budget_bytes(name),
-                    f.default_scoped_vmem_bytes, decode_max_rows, prefill_block_m,
-                    f.mxu_width, f.hbm_bytes_per_s, f.bf16_flops_per_s)
+    chunk_m (the MXU pass height) is the MXU width.
+    """
+    f = tpu_info.facts(name)
+    return Generation(
+        name,
+        f.vmem_capacity_bytes,
+        tpu_info.vmem_budget_bytes(name),
+        f.default_scoped_vmem_bytes,
+        decode_max_rows,
+        prefill_block_m,
+        f.mxu_width,
+        f.hbm_bytes_per_s,
+        f.bf16_flops_per_s,
+    )
 
 
 GENERATIONS = {
@@ -105,271 +112,282 @@ DEFAULT_GENERATION = tpu_info.DEFAULT_GENERATION
 
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
-  """Blocks of the grouped matmul ``gmm``.
+    """Blocks of the grouped matmul ``gmm``.
 
-  block_m: rows of lhs/out per grid step (multiple of the sublane count).
-  block_n: output columns per weight slab; equals N or is a multiple of 128
-    that divides N.
-  chunk_m: rows per MXU pass inside a group (multiple of the sublane count).
-  vmem_limit_bytes: scoped VMEM limit to request, or None for the default.
-  """
+    block_m: rows of lhs/out per grid step (multiple of the sublane count).
+    block_n: output columns per weight slab; equals N or is a multiple of 128
+      that divides N.
+    chunk_m: rows per MXU pass inside a group (multiple of the sublane count).
+    vmem_limit_bytes: scoped VMEM limit to request, or None for the default.
+    """
 
-  block_m: int
-  block_n: int
-  chunk_m: int
-  vmem_limit_bytes: int | None = None
+    block_m: int
+    block_n: int
+    chunk_m: int
+    vmem_limit_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class TgmmConfig:
-  """Blocks of the transposed grouped matmul ``tgmm`` (output [G, K, N])."""
+    """Blocks of the transposed grouped matmul ``tgmm`` (output [G, K, N])."""
 
-  block_m: int
-  block_k: int
-  block_n: int
-  chunk_m: int
-  vmem_limit_bytes: int | None = None
+    block_m: int
+    block_k: int
+    block_n: int
+    chunk_m: int
+    vmem_limit_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RaggedDotConfig:
-  """Configs of the three kernels behind ``ragged_dot`` and its gradient."""
+    """Configs of the three kernels behind ``ragged_dot`` and its gradient."""
 
-  fwd: GmmConfig | None = None
-  bwd_lhs: GmmConfig | None = None
-  bwd_rhs: TgmmConfig | None = None
+    fwd: GmmConfig | None = None
+    bwd_lhs: GmmConfig | None = None
+    bwd_rhs: TgmmConfig | None = None
 
 
 def generation_of(device=None) -> str:
-  """Generation name of `device` (default: the one torch_bindings detects)."""
-  if device is None:
-    return tpu_info.detected_generation()  # the one rule: env override, device kind
-  if getattr(device, "platform", "") != "tpu":
-    return DEFAULT_GENERATION
-  return tpu_info.generation_of_kind(device.device_kind)
+    """Generation name of `device` (default: the one torch_bindings detects)."""
+    if device is None:
+        return tpu_info.detected_generation()  # the one rule: env override, device kind
+    if getattr(device, "platform", "") != "tpu":
+        return DEFAULT_GENERATION
+    return tpu_info.generation_of_kind(device.device_kind)
 
 
 def get_generation(generation: str | None) -> Generation:
-  if generation is None:
-    generation = generation_of()
-  if generation not in GENERATIONS:
-    raise ValueError(
-        f"generation: expected one of {sorted(GENERATIONS)}, got {generation!r}"
-    )
-  return GENERATIONS[generation]
+    if generation is None:
+        generation = generation_of()
+    if generation not in GENERATIONS:
+        raise ValueError(f"generation: expected one of {sorted(GENERATIONS)}, got {generation!r}")
+    return GENERATIONS[generation]
 
 
 def sublane(*dtypes) -> int:
-  """Rows per packed sublane tile: 8 for 32-bit, 16 if any operand is 16-bit."""
-  return max(8 * (4 // jnp.dtype(d).itemsize) for d in dtypes)
+    """Rows per packed sublane tile: 8 for 32-bit, 16 if any operand is 16-bit."""
+    return max(8 * (4 // jnp.dtype(d).itemsize) for d in dtypes)
 
 
 def round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+    return -(-x // m) * m
 
 
 def _lane(x: int) -> int:
-  return round_up(max(x, 1), 128)
+    return round_up(max(x, 1), 128)
 
 
 def _slab_candidates(n: int) -> list[int]:
-  """All of n, then multiples of 128 dividing n, widest first."""
-  cands = [n]
-  cands += [d for d in range(round_up(n, 128) - 128, 0, -128) if n % d == 0]
-  return cands
+    """All of n, then multiples of 128 dividing n, widest first."""
+    cands = [n]
+    cands += [d for d in range(round_up(n, 128) - 128, 0, -128) if n % d == 0]
+    return cands
 
 
 def _m_candidates(m: int, sub: int, gen: Generation) -> list[int]:
-  m_pad = round_up(max(m, 1), sub)
-  cands = []
-  if m_pad <= gen.decode_max_rows:
-    cands.append(m_pad)
-  bm = gen.prefill_block_m
-  while bm >= sub:
-    if bm < m_pad:
-      cands.append(bm)
-    bm //= 2
-  return cands or [m_pad]
+    m_pad = round_up(max(m, 1), sub)
+    cands = []
+    if m_pad <= gen.decode_max_rows:
+        cands.append(m_pad)
+    bm = gen.prefill_block_m
+    while bm >= sub:
+        if bm < m_pad:
+            cands.append(bm)
+        bm //= 2
+    return cands or [m_pad]
 
 
 def _chunk(bm: int, gen: Generation, sub: int) -> int:
-  return max(sub, min(gen.chunk_m, round_up(bm, sub)))
+    return max(sub, min(gen.chunk_m, round_up(bm, sub)))
 
 
 def _limit(need: int, gen: Generation) -> int:
-  """The scoped VMEM limit a table config requests: tpu_info's policy."""
-  del need  # the table keeps need <= budget, and the limit is the budget
-  return tpu_info.vmem_limit_bytes(gen.name)
+    """The scoped VMEM limit a table config requests: tpu_info's policy."""
+    del need  # the table keeps need <= budget, and the limit is the budget
+    return tpu_info.vmem_limit_bytes(gen.name)
 
 
 def piece(block_n: int) -> int:
-  """Columns per MXU pass over a slab: 512 (or 256/128) when that divides it."""
-  for p in (512, 256, 128):
-    if block_n % p == 0:
-      return p
-  return block_n
+    """Columns per MXU pass over a slab: 512 (or 256/128) when that divides it."""
+    for p in (512, 256, 128):
+        if block_n % p == 0:
+            return p
+    return block_n
 
 
 def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype) -> int:
-  """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles)."""
-  ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
-  tiles = -(-m // bm)
-  n_blocks = -(-n // bn)
-  lhs_bufs = 1 if tiles == 1 else 2
-  out_bufs = 1 if tiles * n_blocks == 1 else 2
-  kp, np_ = _lane(k), _lane(bn)
-  need = lhs_bufs * bm * kp * ib
-  need += out_bufs * bm * np_ * ob
-  need += 2 * round_up(k, 16) * np_ * wb  # weights, double-buffered
-  # One chunk in flight: the lhs rows (cast), the f32 product, the merge.
-  pp = _lane(piece(bn))
-  need += chunk * kp * 4 + 2 * chunk * pp * 4 + chunk * pp * ob
-  return need
+    """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles)."""
+    ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
+    tiles = -(-m // bm)
+    n_blocks = -(-n // bn)
+    lhs_bufs = 1 if tiles == 1 else 2
+    out_bufs = 1 if tiles * n_blocks == 1 else 2
+    kp, np_ = _lane(k), _lane(bn)
+    need = lhs_bufs * bm * kp * ib
+    need += out_bufs * bm * np_ * ob
+    need += 2 * round_up(k, 16) * np_ * wb  # weights, double-buffered
+    # One chunk in flight: the lhs rows (cast), the f32 product, the merge.
+    pp = _lane(piece(bn))
+    need += chunk * kp * 4 + 2 * chunk * pp * 4 + chunk * pp * ob
+    return need
 
 
 def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen) -> float:
-  tiles = -(-m // bm)
-  n_blocks = -(-n // bn)
-  lhs_reads = 1 if tiles == 1 else n_blocks
-  nbytes = g * k * n * wb + lhs_reads * m * k * ib + m * n * ob
-  return nbytes / gen.hbm_bytes_per_s + tiles * n_blocks * STEP_OVERHEAD_S
+    tiles = -(-m // bm)
+    n_blocks = -(-n // bn)
+    lhs_reads = 1 if tiles == 1 else n_blocks
+    nbytes = g * k * n * wb + lhs_reads * m * k * ib + m * n * ob
+    return nbytes / gen.hbm_bytes_per_s + tiles * n_blocks * STEP_OVERHEAD_S
 
 
-def gmm_config(m: int, k: int, n: int, g: int, dtype, *, out_dtype=None,
-               generation: str | None = None,
-               w_dtype=None) -> GmmConfig:
-  """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`."""
-  gen = get_generation(generation)
-  dtype = jnp.dtype(dtype)
-  w_dtype = jnp.dtype(w_dtype or dtype)
-  out_dtype = jnp.dtype(out_dtype or dtype)
-  sub = sublane(dtype, w_dtype, out_dtype)
-  best = None
-  smallest_need = None
-  for bm in _m_candidates(m, sub, gen):
-    chunk = _chunk(bm, gen, sub)
-    for bn in _slab_candidates(n):
-      need = gmm_vmem_bytes(m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype)
-      if smallest_need is None or need < smallest_need[0]:
-        smallest_need = (need, bm, bn)
-      if need > gen.vmem_budget:
-        continue
-      t = _gmm_time(m, k, n, g, bm, bn, dtype.itemsize, w_dtype.itemsize,
-                    out_dtype.itemsize, gen)
-      if best is None or t < best[0]:
-        best = (t, bm, bn, chunk, need)
-  if best is None:
-    need, bm, bn = smallest_need
-    raise ValueError(
-        f"ragged_dot: no gmm block fits VMEM on {gen.name} for lhs [{m}, {k}],"
-        f" rhs [*, {k}, {n}] ({dtype.name}): the smallest blocks (block_m={bm},"
-        f" block_n={bn}, full K={k}) need {need / MiB:.1f} MiB, budget is"
-        f" {gen.vmem_budget / MiB:.1f} MiB"
-    )
-  _, bm, bn, chunk, need = best
-  return GmmConfig(bm, bn, chunk, _limit(need, gen))
+def gmm_config(
+    m: int,
+    k: int,
+    n: int,
+    g: int,
+    dtype,
+    *,
+    out_dtype=None,
+    generation: str | None = None,
+    w_dtype=None,
+) -> GmmConfig:
+    """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`."""
+    gen = get_generation(generation)
+    dtype = jnp.dtype(dtype)
+    w_dtype = jnp.dtype(w_dtype or dtype)
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    sub = sublane(dtype, w_dtype, out_dtype)
+    best = None
+    smallest_need = None
+    for bm in _m_candidates(m, sub, gen):
+        chunk = _chunk(bm, gen, sub)
+        for bn in _slab_candidates(n):
+            need = gmm_vmem_bytes(m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype)
+            if smallest_need is None or need < smallest_need[0]:
+                smallest_need = (need, bm, bn)
+            if need > gen.vmem_budget:
+                continue
+            t = _gmm_time(
+                m, k, n, g, bm, bn, dtype.itemsize, w_dtype.itemsize, out_dtype.itemsize, gen
+            )
+            if best is None or t < best[0]:
+                best = (t, bm, bn, chunk, need)
+    if best is None:
+        need, bm, bn = smallest_need
+        raise ValueError(
+            f"ragged_dot: no gmm block fits VMEM on {gen.name} for lhs [{m}, {k}],"
+            f" rhs [*, {k}, {n}] ({dtype.name}): the smallest blocks (block_m={bm},"
+            f" block_n={bn}, full K={k}) need {need / MiB:.1f} MiB, budget is"
+            f" {gen.vmem_budget / MiB:.1f} MiB"
+        )
+    _, bm, bn, chunk, need = best
+    return GmmConfig(bm, bn, chunk, _limit(need, gen))
 
 
 def tgmm_vmem_bytes(m, k, n, bm, bk, bn, chunk, in_dtype, out_dtype) -> int:
-  ib, ob = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  kp, np_ = _lane(bk), _lane(bn)
-  tiles = -(-m // bm)
-  lhs_bufs = 1 if tiles == 1 and k == bk else 2
-  grad_bufs = 1 if tiles == 1 and n == bn else 2
-  need = lhs_bufs * bm * kp * ib + grad_bufs * bm * np_ * ib
-  need += round_up(bk, 8) * np_ * 4  # f32 accumulator
-  need += 3 * round_up(bk, 16) * np_ * ob  # 2 staging slots + zero block
-  # One chunk in flight: masked rows of both operands and the product.
-  pp = _lane(piece(bn))
-  need += chunk * (kp + pp) * 4 + round_up(bk, 8) * pp * 4
-  return need
-
-
-def tgmm_config(m: int, k: int, n: int, g: int, dtype, *, out_dtype=None,
-                generation: str | None = None) -> TgmmConfig:
-  """Picks tgmm blocks for lhs [m, k]^T @ grad [m, n] per group on `generation`."""
-  gen = get_generation(generation)
-  dtype = jnp.dtype(dtype)
-  out_dtype = jnp.dtype(out_dtype or dtype)
-  sub = sublane(dtype, out_dtype)
-  best = None
-  smallest_need = None
-  ib, ob = dtype.itemsize, out_dtype.itemsize
-  # The f32 accumulator and staging grow as bk * bn; cap the slabs so the
-  # search stays small and each output DMA is a few MiB at most.
-  k_cands = [c for c in _slab_candidates(k) if c <= 2048 or c == k][:8]
-  n_cands = [c for c in _slab_candidates(n) if c <= 2048 or c == n][:8]
-  for bm in _m_candidates(m, sub, gen):
-    # Rows are tgmm's contraction: taller passes amortise the f32
-    # accumulator's read-modify-write over more MXU work.
-    chunk = max(sub, min(TGMM_CHUNK_M, bm))
+    ib, ob = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    kp, np_ = _lane(bk), _lane(bn)
     tiles = -(-m // bm)
-    for bk in k_cands:
-      for bn in n_cands:
-        need = tgmm_vmem_bytes(m, k, n, bm, bk, bn, chunk, dtype, out_dtype)
-        if smallest_need is None or need < smallest_need[0]:
-          smallest_need = (need, bm, bk, bn)
-        if need > gen.vmem_budget:
-          continue
-        kb, nb = -(-k // bk), -(-n // bn)
-        lhs_reads = 1 if tiles == 1 else nb
-        grad_reads = 1 if tiles == 1 and nb == 1 else kb
-        nbytes = (g * k * n * ob + lhs_reads * m * k * ib
-                  + grad_reads * m * n * ib)
-        t = nbytes / gen.hbm_bytes_per_s + kb * nb * tiles * STEP_OVERHEAD_S
-        if best is None or t < best[0]:
-          best = (t, bm, bk, bn, chunk, need)
-  if best is None:
-    need, bm, bk, bn = smallest_need
-    raise ValueError(
-        f"ragged_dot: no tgmm block fits VMEM on {gen.name} for lhs [{m}, {k}],"
-        f" grad [{m}, {n}] ({dtype.name}): the smallest blocks (block_m={bm},"
-        f" block_k={bk}, block_n={bn}) need {need / MiB:.1f} MiB, budget is"
-        f" {gen.vmem_budget / MiB:.1f} MiB"
-    )
-  _, bm, bk, bn, chunk, need = best
-  return TgmmConfig(bm, bk, bn, chunk, _limit(need, gen))
+    lhs_bufs = 1 if tiles == 1 and k == bk else 2
+    grad_bufs = 1 if tiles == 1 and n == bn else 2
+    need = lhs_bufs * bm * kp * ib + grad_bufs * bm * np_ * ib
+    need += round_up(bk, 8) * np_ * 4  # f32 accumulator
+    need += 3 * round_up(bk, 16) * np_ * ob  # 2 staging slots + zero block
+    # One chunk in flight: masked rows of both operands and the product.
+    pp = _lane(piece(bn))
+    need += chunk * (kp + pp) * 4 + round_up(bk, 8) * pp * 4
+    return need
+
+
+def tgmm_config(
+    m: int, k: int, n: int, g: int, dtype, *, out_dtype=None, generation: str | None = None
+) -> TgmmConfig:
+    """Picks tgmm blocks for lhs [m, k]^T @ grad [m, n] per group on `generation`."""
+    gen = get_generation(generation)
+    dtype = jnp.dtype(dtype)
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    sub = sublane(dtype, out_dtype)
+    best = None
+    smallest_need = None
+    ib, ob = dtype.itemsize, out_dtype.itemsize
+    # The f32 accumulator and staging grow as bk * bn; cap the slabs so the
+    # search stays small and each output DMA is a few MiB at most.
+    k_cands = [c for c in _slab_candidates(k) if c <= 2048 or c == k][:8]
+    n_cands = [c for c in _slab_candidates(n) if c <= 2048 or c == n][:8]
+    for bm in _m_candidates(m, sub, gen):
+        # Rows are tgmm's contraction: taller passes amortise the f32
+        # accumulator's read-modify-write over more MXU work.
+        chunk = max(sub, min(TGMM_CHUNK_M, bm))
+        tiles = -(-m // bm)
+        for bk in k_cands:
+            for bn in n_cands:
+                need = tgmm_vmem_bytes(m, k, n, bm, bk, bn, chunk, dtype, out_dtype)
+                if smallest_need is None or need < smallest_need[0]:
+                    smallest_need = (need, bm, bk, bn)
+                if need > gen.vmem_budget:
+                    continue
+                kb, nb = -(-k // bk), -(-n // bn)
+                lhs_reads = 1 if tiles == 1 else nb
+                grad_reads = 1 if tiles == 1 and nb == 1 else kb
+                nbytes = g * k * n * ob + lhs_reads * m * k * ib + grad_reads * m * n * ib
+                t = nbytes / gen.hbm_bytes_per_s + kb * nb * tiles * STEP_OVERHEAD_S
+                if best is None or t < best[0]:
+                    best = (t, bm, bk, bn, chunk, need)
+    if best is None:
+        need, bm, bk, bn = smallest_need
+        raise ValueError(
+            f"ragged_dot: no tgmm block fits VMEM on {gen.name} for lhs [{m}, {k}],"
+            f" grad [{m}, {n}] ({dtype.name}): the smallest blocks (block_m={bm},"
+            f" block_k={bk}, block_n={bn}) need {need / MiB:.1f} MiB, budget is"
+            f" {gen.vmem_budget / MiB:.1f} MiB"
+        )
+    _, bm, bk, bn, chunk, need = best
+    return TgmmConfig(bm, bk, bn, chunk, _limit(need, gen))
 
 
 def vmem_limit_for(cfg_limit: int | None, need: int) -> int | None:
-  """The limit to request: the config's (tables set tpu_info's policy), or,
-  for a hand-written config that left it unset (generation unknown), none
-  while the need fits 3/4 of the smallest default scoped limit of any
-  generation (16 MiB on v5e/v5p), else the need plus headroom."""
-  if cfg_limit is not None:
-    return cfg_limit
-  smallest_default = min(f.default_scoped_vmem_bytes for f in tpu_info.TPUS.values())
-  if need <= smallest_default * 3 // 4:
-    return None
-  return int(need * 5 // 4 + 4 * MiB)
+    """The limit to request: the config's (tables set tpu_info's policy), or,
+    for a hand-written config that left it unset (generation unknown), none
+    while the need fits 3/4 of the smallest default scoped limit of any
+    generation (16 MiB on v5e/v5p), else the need plus headroom."""
+    if cfg_limit is not None:
+        return cfg_limit
+    smallest_default = min(f.default_scoped_vmem_bytes for f in tpu_info.TPUS.values())
+    if need <= smallest_default * 3 // 4:
+        return None
+    return int(need * 5 // 4 + 4 * MiB)
 
 
 def check_gmm_config(cfg: GmmConfig, n: int, sub: int) -> None:
-  if cfg.block_m <= 0 or cfg.block_m % sub:
-    raise ValueError(
-        f"config.block_m: expected a positive multiple of {sub}, got {cfg.block_m}")
-  if cfg.chunk_m <= 0 or cfg.chunk_m % sub:
-    raise ValueError(
-        f"config.chunk_m: expected a positive multiple of {sub}, got {cfg.chunk_m}")
-  if cfg.block_n != n and (cfg.block_n % 128 or n % cfg.block_n):
-    raise ValueError(
-        f"config.block_n: expected N={n} or a multiple of 128 dividing it,"
-        f" got {cfg.block_n}")
+    if cfg.block_m <= 0 or cfg.block_m % sub:
+        raise ValueError(
+            f"config.block_m: expected a positive multiple of {sub}, got {cfg.block_m}"
+        )
+    if cfg.chunk_m <= 0 or cfg.chunk_m % sub:
+        raise ValueError(
+            f"config.chunk_m: expected a positive multiple of {sub}, got {cfg.chunk_m}"
+        )
+    if cfg.block_n != n and (cfg.block_n % 128 or n % cfg.block_n):
+        raise ValueError(
+            f"config.block_n: expected N={n} or a multiple of 128 dividing it, got {cfg.block_n}"
+        )
 
 
 def check_tgmm_config(cfg: TgmmConfig, k: int, n: int, sub: int) -> None:
-  if cfg.block_m <= 0 or cfg.block_m % sub:
-    raise ValueError(
-        f"config.block_m: expected a positive multiple of {sub}, got {cfg.block_m}")
-  if cfg.chunk_m <= 0 or cfg.chunk_m % sub:
-    raise ValueError(
-        f"config.chunk_m: expected a positive multiple of {sub}, got {cfg.chunk_m}")
-  for name, blk, dim in (("block_k", cfg.block_k, k), ("block_n", cfg.block_n, n)):
-    if blk != dim and (blk % 128 or dim % blk):
-      raise ValueError(
-          f"config.{name}: expected {dim} or a multiple of 128 dividing it,"
-          f" got {blk}")
+    if cfg.block_m <= 0 or cfg.block_m % sub:
+        raise ValueError(
+            f"config.block_m: expected a positive multiple of {sub}, got {cfg.block_m}"
+        )
+    if cfg.chunk_m <= 0 or cfg.chunk_m % sub:
+        raise ValueError(
+            f"config.chunk_m: expected a positive multiple of {sub}, got {cfg.chunk_m}"
+        )
+    for name, blk, dim in (("block_k", cfg.block_k, k), ("block_n", cfg.block_n, n)):
+        if blk != dim and (blk % 128 or dim % blk):
+            raise ValueError(
+                f"config.{name}: expected {dim} or a multiple of 128 dividing it, got {blk}"
+            )
 
 
 def num_steps(m: int, n: int, cfg: GmmConfig) -> int:
-  return math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+    return math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)

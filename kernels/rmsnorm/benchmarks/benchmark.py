@@ -49,7 +49,10 @@ class _OnTpuWhenAttached:
     def device(self, runner_device: str) -> None:
         self._device = tpu_or(runner_device)
         if self._device != runner_device:
-            print(f"  (on {self._device}: kernels detected backend {runner_device!r})", file=sys.stderr)
+            print(
+                f"  (on {self._device}: kernels detected backend {runner_device!r})",
+                file=sys.stderr,
+            )
 
 
 def _round_like_kernel(ref32: torch.Tensor, out: torch.Tensor, rel_err: float) -> torch.Tensor:
@@ -108,5 +111,7 @@ class RMSNormBenchmark(_OnTpuWhenAttached, Benchmark):
         # The kernel normalises the sum as stored (rounded to bfloat16), like the reference.
         s = (self.x.cpu().float() + self.r.cpu().float()).to(self.x.dtype)
         if not torch.equal(self.residual.cpu(), s):
-            raise RuntimeError("Verification failed for fused_residual_2880: the residual output is not x + r")
+            raise RuntimeError(
+                "Verification failed for fused_residual_2880: the residual output is not x + r"
+            )
         return _reference(s, self.w, self.out).to(self.device)

@@ -88,8 +88,17 @@ def _flatten(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def rms_norm_fwd(x, weight, residual=None, *, eps: float, gemma: bool = False,
-                 interpret: bool = False, generation: str | None = None, config=None):
+def rms_norm_fwd(
+    x,
+    weight,
+    residual=None,
+    *,
+    eps: float,
+    gemma: bool = False,
+    interpret: bool = False,
+    generation: str | None = None,
+    config=None,
+):
     """y = x / rms(x) * w  (w -> 1 + w if gemma). With `residual`: returns (y, x + residual),
     y normalising the updated residual as stored in x's dtype."""
     shape = x.shape
@@ -129,8 +138,18 @@ def rms_norm_fwd(x, weight, residual=None, *, eps: float, gemma: bool = False,
     return outs[0].reshape(shape)
 
 
-def rms_norm_bwd(dy, ds, s, weight, *, eps: float, gemma: bool = False,
-                 interpret: bool = False, generation: str | None = None, config=None):
+def rms_norm_bwd(
+    dy,
+    ds,
+    s,
+    weight,
+    *,
+    eps: float,
+    gemma: bool = False,
+    interpret: bool = False,
+    generation: str | None = None,
+    config=None,
+):
     """(dx, dweight) of y = rms_norm(s); `ds` (or None) is the gradient flowing
     into s directly (the fused residual output), added to dx."""
     shape = s.shape
@@ -160,7 +179,8 @@ def rms_norm_bwd(dy, ds, s, weight, *, eps: float, gemma: bool = False,
         ],
         compiler_params=pltpu.CompilerParams(
             # The weight gradient accumulates across row blocks: sequential.
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=cfg.vmem_limit_bytes
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=cfg.vmem_limit_bytes,
         ),
         cost_estimate=pl.CostEstimate(
             flops=10 * rows * hidden,
@@ -176,8 +196,14 @@ def rms_norm_bwd(dy, ds, s, weight, *, eps: float, gemma: bool = False,
 
 # -- JAX API with autodiff ----------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def rms_norm(x, weight, eps: float = 1e-6, gemma: bool = False,
-             interpret: bool = False, generation: str | None = None):
+def rms_norm(
+    x,
+    weight,
+    eps: float = 1e-6,
+    gemma: bool = False,
+    interpret: bool = False,
+    generation: str | None = None,
+):
     """Differentiable RMSNorm for JAX callers (the torch ops wrap the same kernels)."""
     return rms_norm_fwd(x, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation)
 
@@ -188,19 +214,28 @@ def _rms_norm_vjp_fwd(x, weight, eps, gemma, interpret, generation):
 
 def _rms_norm_vjp_bwd(eps, gemma, interpret, generation, res, dy):
     x, weight = res
-    return rms_norm_bwd(dy, None, x, weight, eps=eps, gemma=gemma,
-                        interpret=interpret, generation=generation)
+    return rms_norm_bwd(
+        dy, None, x, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation
+    )
 
 
 rms_norm.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def fused_add_rms_norm(x, residual, weight, eps: float = 1e-6, gemma: bool = False,
-                       interpret: bool = False, generation: str | None = None):
+def fused_add_rms_norm(
+    x,
+    residual,
+    weight,
+    eps: float = 1e-6,
+    gemma: bool = False,
+    interpret: bool = False,
+    generation: str | None = None,
+):
     """(rms_norm(x + residual), x + residual), differentiable for JAX callers."""
-    return rms_norm_fwd(x, weight, residual, eps=eps, gemma=gemma,
-                        interpret=interpret, generation=generation)
+    return rms_norm_fwd(
+        x, weight, residual, eps=eps, gemma=gemma, interpret=interpret, generation=generation
+    )
 
 
 def _fused_vjp_fwd(x, residual, weight, eps, gemma, interpret, generation):
@@ -211,8 +246,9 @@ def _fused_vjp_fwd(x, residual, weight, eps, gemma, interpret, generation):
 def _fused_vjp_bwd(eps, gemma, interpret, generation, res, grads):
     s, weight = res
     dy, ds = grads
-    dx, dw = rms_norm_bwd(dy, ds, s, weight, eps=eps, gemma=gemma,
-                          interpret=interpret, generation=generation)
+    dx, dw = rms_norm_bwd(
+        dy, ds, s, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation
+    )
     return dx, dx, dw
 
 

@@ -72,7 +72,9 @@ def _check(x, weight, residual=None):
     validate.check_supported_device("x", x)
     hidden = x.shape[-1]
     if hidden == 0:
-        raise ValueError(f"x: expected a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x: expected a non-empty last (hidden) dimension, got shape {tuple(x.shape)}"
+        )
     validate.check_tensor("weight", weight, shape=(hidden,), dtypes=validate.FLOAT_DTYPES)
     if residual is not None:
         validate.check_tensor("residual", residual, shape=tuple(x.shape))
@@ -80,7 +82,9 @@ def _check(x, weight, residual=None):
     validate.check_same_device(x=x, weight=weight, residual=residual)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gemma: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gemma: bool = False
+) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; `gemma=True` scales by (1 + weight).
 
     Any leading dims, any hidden size; float32/bfloat16/float16 with f32 math.
@@ -91,7 +95,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gemma:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, gemma: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    gemma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass over memory.
 
