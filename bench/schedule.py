@@ -156,8 +156,9 @@ def unpack(packed: str) -> str:
 
 # Stated assumption (see bench/README.md "Scheduled time"): the time from a
 # DMA's last byte to its semaphore, calibrated on tpu-inference #3520
-# (bench/calibration.py). The clock is torch_bindings.tpu_info's (assumed).
-DMA_LATENCY_S = 1.35e-6
+# (bench/calibration.py); kept in torch_bindings.tpu_info with the clock, so
+# the kernels' tiling plans against the same figure.
+from torch_bindings.tpu_info import DMA_LATENCY_S  # noqa: E402
 # DMAs move data at this fraction of the device's HBM bandwidth: the copy
 # bandwidth tpu-inference #3520 measured on tpu7x (3.21 TB/s of 3.7), applied
 # to every generation (no other generation has a published copy figure).

@@ -84,6 +84,12 @@ VMEM_FRACTION = (3, 4)
 # the ideal model and ragged_dot's block search share (bench calibrates it).
 GRID_STEP_OVERHEAD_S = 0.35e-6
 
+# From a DMA's last byte to its semaphore: an assumption calibrated on
+# tpu-inference #3520's measured copies (bench/calibration.py). Kernels that
+# stream weights keep enough bytes in flight to hide it; bench's scheduled
+# model charges it to every DMA.
+DMA_LATENCY_S = 1.35e-6
+
 
 @dataclasses.dataclass(frozen=True)
 class TpuFacts:

@@ -108,8 +108,11 @@ def lhs_row_tile(t_i, ends_ref, goff_ref, *, m, block_m, num_groups, num_local):
 def row_passes(r_lo, r_hi, *, sub, chunk, emit):
     """Calls emit(r0, size) over sublane-aligned passes covering [r_lo, r_hi).
 
-    `chunk`-row passes while that many rows remain, then `sub`-row passes, so
-    the MXU sees the group's rows rounded to the sublane tile, not a tile.
+    `chunk`-row passes while that many rows remain, then one pass per set bit
+    of the remaining sublane count (e.g. 48 rows: 32 + 16), so the MXU sees
+    the group's rows rounded to the sublane tile, not a tile, and the weights
+    are pushed into the MXU at most log2(chunk / sub) + 1 times for the tail
+    rather than once per sublane tile.
     """
     # lax.div, not //: floor division lowers through sign(), which Mosaic
     # resolves against the attached chip (none when compiling ahead of time).
@@ -124,13 +127,19 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit):
         emit(pl.multiple_of(a_lo + i * chunk, sub), chunk)
         return c
 
-    def small(i, c):
-        emit(pl.multiple_of(a_lo + n_big * chunk + i * sub, sub), sub)
-        return c
-
     lax.fori_loop(0, n_big, big, 0)
-    if per_chunk > 1:
-        lax.fori_loop(0, n_small, small, 0)
+    # Tail passes, widest first: bit b of n_small is a pass of sub << b rows,
+    # starting after the chunks and the wider tail passes.
+    r0 = a_lo + n_big * chunk
+    for b in reversed(range(max(per_chunk - 1, 0).bit_length())):
+        rows_b = sub << b
+        if rows_b >= chunk:
+            continue
+        taken = lax.shift_right_logical(n_small, b + 1) << (b + 1)
+
+        @pl.when(lax.bitwise_and(n_small, 1 << b) != 0)
+        def _():
+            emit(pl.multiple_of(r0 + taken * sub, sub), rows_b)
 
 
 def for_each_piece(n_pieces, piece):
@@ -156,23 +165,34 @@ def _gmm_kernel(
     chunk_m,
     sub,
     n_blocks,
+    buffers,
+    manual_lhs,
     transpose_rhs,
     compute_dtype,
     precision,
     trace,
 ):
     if trace:
-        trace_ref, wbuf, sem, active_ref, state_ref = rest
+        trace_ref, *rest = rest
     else:
         trace_ref = None
-        wbuf, sem, active_ref, state_ref = rest
+    wbuf, sem, active_ref, state_ref, *rest = rest
+    if manual_lhs:
+        # One row tile: lhs is copied by hand, so its DMA is queued with the
+        # weights' instead of being waited for (a whole DMA latency) before
+        # the kernel body, i.e. before the first weight DMA, can start.
+        lhs_hbm, (lhs_ref, lhs_sem) = lhs_ref, rest
+        lhs_copy = pltpu.make_async_copy(lhs_hbm, lhs_ref.at[pl.ds(0, m)], lhs_sem.at[0])
     n_i = pl.program_id(0)
     t_i = pl.program_id(1)
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
 
     # state: 0 = number of active groups, 1 = cursor into the active list for
     # this N slab, 2 = weight stream items already waited for. Stream item
-    # (n, a) = slab n of active group a; its buffer slot is (n * na + a) % 2.
+    # q = n * na + a is slab n of active group a; its buffer slot is q % buffers.
+    # `buffers - 1` items are in flight while one is on the MXU, so each DMA's
+    # issue latency hides behind the transfers queued before it (with one in
+    # flight, every expert paid it in full).
     def copy(n_q, a, slot):
         j = active_ref[a]
         if n_blocks == 1:
@@ -195,23 +215,65 @@ def _gmm_kernel(
             trace_ref[c + 1] = n_q * num_local + active_ref[a]
             trace_ref[0] = c + 1
 
+    def start_item(q, na):
+        n_q = lax.div(q, na)
+        start(n_q, q - n_q * na, lax.rem(q, buffers))
+
     @pl.when(jnp.logical_and(n_i == 0, t_i == 0))
     def _init():
         if trace:
             trace_ref[0] = 0
+        if manual_lhs:
+            lhs_copy.start()
+        # The active list. Group ends are monotonic, so a group is active iff
+        # its clamped end passes the previous one; out-of-range group ids
+        # (shards past the last group) are never active. Two passes over the
+        # same loop body: the first stops at the first `buffers - 1` active
+        # experts and issues their DMAs, so the weights start moving while the
+        # second (no DMA code in its body, so it schedules tightly) finishes
+        # the list.
+        g0 = goff_ref[0]
+        first_lo = jnp.where(g0 > 0, ends_ref[jnp.clip(g0 - 1, 0, num_groups - 1)], 0)
 
-        def collect(j, count):
-            lo, hi = rows(j)
+        def visit(j, count, prev):
+            g = g0 + j
+            valid = jnp.logical_and(g >= 0, g < num_groups)
+            hi = jnp.clip(ends_ref[jnp.clip(g, 0, num_groups - 1)], prev, m)
+            active = jnp.logical_and(valid, hi > prev)
             active_ref[count] = j
-            return jnp.where(hi > lo, count + 1, count)
+            return active, jnp.where(active, count + 1, count), jnp.where(valid, hi, prev)
 
-        count = lax.fori_loop(0, num_local, collect, 0)
+        def head_cond(carry):
+            j, count, _ = carry
+            return jnp.logical_and(j < num_local, count < buffers - 1)
+
+        def head(carry):
+            j, count, prev = carry
+            active, count_next, prev = visit(j, count, prev)
+
+            @pl.when(active)
+            def _():
+                start(0, count, count)
+
+            return j + 1, count_next, prev
+
+        j1, count, prev = lax.while_loop(head_cond, head, (0, 0, jnp.clip(first_lo, 0, m)))
+
+        def tail(j, carry):
+            return visit(j, *carry)[1:]
+
+        count, _ = lax.fori_loop(j1, num_local, tail, (count, prev))
         state_ref[0] = count
         state_ref[2] = 0
+        # Fewer active experts than slots: the next slabs fill the rest.
+        for q in range(1, buffers - 1):
 
-        @pl.when(count > 0)
-        def _():
-            start(0, 0, 0)
+            @pl.when(jnp.logical_and(q >= count, q < count * n_blocks))
+            def _():
+                start_item(q, count)
+
+        if manual_lhs:
+            lhs_copy.wait()
 
     @pl.when(t_i == 0)
     def _new_slab():
@@ -226,21 +288,20 @@ def _gmm_kernel(
 
     def process(a, lo, hi):
         q = n_i * na + a
-        slot = lax.rem(q, 2)
+        slot = lax.rem(q, buffers)
 
         @pl.when(q >= state_ref[2])
         def _first_visit():
             copy(n_i, a, slot).wait()
             state_ref[2] = q + 1
-            last_a = a + 1 == na
+            # Refill the slot item q - 1 used: it is done (items are consumed
+            # in order, and a revisit of q - 1 in a later row tile never
+            # happens once q has been reached).
+            ahead = q + buffers - 1
 
-            @pl.when(jnp.logical_not(last_a))
+            @pl.when(ahead < na * n_blocks)
             def _():
-                start(n_i, a + 1, 1 - slot)
-
-            @pl.when(jnp.logical_and(last_a, n_i + 1 < n_blocks))
-            def _():
-                start(n_i + 1, 0, 1 - slot)
+                start_item(ahead, na)
 
         r_lo = jnp.maximum(lo, tile_lo) - tile_lo
         r_hi = jnp.minimum(hi, tile_hi) - tile_lo
@@ -327,6 +388,13 @@ def gmm(
     m, k = lhs.shape
     num_local = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs_k != k:
+        layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+        raise ValueError(
+            f"gmm: expected lhs [M, K] and rhs {layout} with the same K, got lhs "
+            f"{tuple(lhs.shape)} and rhs {tuple(rhs.shape)}"
+        )
     num_groups = group_sizes.shape[0]
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     compute_dtype = rhs.dtype
@@ -352,10 +420,11 @@ def gmm(
     def out_map(n_i, t_i, ends_ref, goff_ref):
         return t_i, n_i
 
-    single = {} if tiles > 1 else {"pipeline_mode": pl.Buffered(1)}
+    # Mosaic copies whole 8-row tiles only (37 or 12 rows fail to compile).
+    manual_lhs = tiles == 1 and m % 8 == 0
     out_single = {} if tiles * n_blocks > 1 else {"pipeline_mode": pl.Buffered(1)}
     in_specs = [
-        pl.BlockSpec((bm, k), lhs_map, **single),
+        pl.BlockSpec(memory_space=pl.ANY) if manual_lhs else pl.BlockSpec((bm, k), lhs_map),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
     out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
@@ -363,13 +432,16 @@ def gmm(
     if _trace:
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         out_shape.append(jax.ShapeDtypeStruct((n_blocks * num_local + 1,), jnp.int32))
-    wshape = (2, bn, k) if transpose_rhs else (2, k, bn)
+    buffers = cfg.weight_buffers
+    wshape = (buffers, bn, k) if transpose_rhs else (buffers, k, bn)
     scratch = [
         pltpu.VMEM(wshape, rhs.dtype),
-        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((buffers,)),
         pltpu.SMEM((num_local,), jnp.int32),
         pltpu.SMEM((3,), jnp.int32),
     ]
+    if manual_lhs:
+        scratch += [pltpu.VMEM((bm, k), lhs.dtype), pltpu.SemaphoreType.DMA((1,))]
     precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
     kernel = functools.partial(
         _gmm_kernel,
@@ -381,6 +453,8 @@ def gmm(
         chunk_m=chunk,
         sub=sub,
         n_blocks=n_blocks,
+        buffers=buffers,
+        manual_lhs=manual_lhs,
         transpose_rhs=transpose_rhs,
         compute_dtype=compute_dtype,
         precision=precision,
@@ -408,7 +482,9 @@ def gmm(
             dimension_semantics=("arbitrary", "arbitrary"),
             vmem_limit_bytes=tiling.vmem_limit_for(
                 cfg.vmem_limit_bytes,
-                tiling.gmm_vmem_bytes(m, k, n, bm, bn, chunk, lhs.dtype, rhs.dtype, out_dtype),
+                tiling.gmm_vmem_bytes(
+                    m, k, n, bm, bn, chunk, lhs.dtype, rhs.dtype, out_dtype, buffers
+                ),
             ),
         ),
         interpret=interpret,

@@ -119,12 +119,15 @@ class GmmConfig:
       that divides N.
     chunk_m: rows per MXU pass inside a group (multiple of the sublane count).
     vmem_limit_bytes: scoped VMEM limit to request, or None for the default.
+    weight_buffers: VMEM slots of the weight stream (>= 2); all but one hold
+      DMAs in flight while the MXU works on the other.
     """
 
     block_m: int
     block_n: int
     chunk_m: int
     vmem_limit_bytes: int | None = None
+    weight_buffers: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +218,22 @@ def piece(block_n: int) -> int:
     return block_n
 
 
-def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype) -> int:
+# Weight slabs in flight behind the one on the MXU: enough bytes to keep HBM
+# busy for a DMA's latency plus the MXU time of a slab (~1 us more), so the
+# next slab's transfer is already queued when one arrives.
+IN_FLIGHT_S = tpu_info.DMA_LATENCY_S + 1e-6
+MAX_WEIGHT_BUFFERS = 6
+
+
+def weight_buffers(k: int, bn: int, w_dtype, gen: Generation) -> int:
+    """Slots for the weight stream: one on the MXU plus enough in flight to
+    cover IN_FLIGHT_S at HBM speed (at least two)."""
+    slab = round_up(k, 16) * _lane(bn) * jnp.dtype(w_dtype).itemsize
+    in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
+    return min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // slab)))
+
+
+def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles)."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     tiles = -(-m // bm)
@@ -225,19 +243,22 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype) -> int:
     kp, np_ = _lane(k), _lane(bn)
     need = lhs_bufs * bm * kp * ib
     need += out_bufs * bm * np_ * ob
-    need += 2 * round_up(k, 16) * np_ * wb  # weights, double-buffered
+    need += buffers * round_up(k, 16) * np_ * wb  # the weight stream's slots
     # One chunk in flight: the lhs rows (cast), the f32 product, the merge.
     pp = _lane(piece(bn))
     need += chunk * kp * 4 + 2 * chunk * pp * 4 + chunk * pp * ob
     return need
 
 
-def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen) -> float:
+def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen, bufs) -> float:
     tiles = -(-m // bm)
     n_blocks = -(-n // bn)
     lhs_reads = 1 if tiles == 1 else n_blocks
     nbytes = g * k * n * wb + lhs_reads * m * k * ib + m * n * ob
-    return nbytes / gen.hbm_bytes_per_s + tiles * n_blocks * STEP_OVERHEAD_S
+    t = nbytes / gen.hbm_bytes_per_s + tiles * n_blocks * STEP_OVERHEAD_S
+    if bufs < 3:  # nothing queued behind the arriving slab: each pays its latency
+        t += min(g, m) * n_blocks * tpu_info.DMA_LATENCY_S
+    return t
 
 
 def gmm_config(
@@ -262,16 +283,20 @@ def gmm_config(
     for bm in _m_candidates(m, sub, gen):
         chunk = _chunk(bm, gen, sub)
         for bn in _slab_candidates(n):
-            need = gmm_vmem_bytes(m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype)
+            # Fewer slots before smaller blocks: two still stream, one behind another.
+            for bufs in range(weight_buffers(k, bn, w_dtype, gen), 1, -1):
+                need = gmm_vmem_bytes(m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs)
+                if need <= gen.vmem_budget:
+                    break
             if smallest_need is None or need < smallest_need[0]:
                 smallest_need = (need, bm, bn)
             if need > gen.vmem_budget:
                 continue
             t = _gmm_time(
-                m, k, n, g, bm, bn, dtype.itemsize, w_dtype.itemsize, out_dtype.itemsize, gen
+                m, k, n, g, bm, bn, dtype.itemsize, w_dtype.itemsize, out_dtype.itemsize, gen, bufs
             )
             if best is None or t < best[0]:
-                best = (t, bm, bn, chunk, need)
+                best = (t, bm, bn, chunk, need, bufs)
     if best is None:
         need, bm, bn = smallest_need
         raise ValueError(
@@ -280,8 +305,8 @@ def gmm_config(
             f" block_n={bn}, full K={k}) need {need / MiB:.1f} MiB, budget is"
             f" {gen.vmem_budget / MiB:.1f} MiB"
         )
-    _, bm, bn, chunk, need = best
-    return GmmConfig(bm, bn, chunk, _limit(need, gen))
+    _, bm, bn, chunk, need, bufs = best
+    return GmmConfig(bm, bn, chunk, _limit(need, gen), bufs)
 
 
 def tgmm_vmem_bytes(m, k, n, bm, bk, bn, chunk, in_dtype, out_dtype) -> int:
@@ -371,6 +396,8 @@ def check_gmm_config(cfg: GmmConfig, n: int, sub: int) -> None:
         raise ValueError(
             f"config.block_n: expected N={n} or a multiple of 128 dividing it, got {cfg.block_n}"
         )
+    if cfg.weight_buffers < 2:
+        raise ValueError(f"config.weight_buffers: expected 2 or more, got {cfg.weight_buffers}")
 
 
 def check_tgmm_config(cfg: TgmmConfig, k: int, n: int, sub: int) -> None:
