@@ -1,9 +1,10 @@
 """TPU benchmark and performance model for this library's kernels.
 
 `python -m bench --help`. Nothing here needs a TPU: kernel time is modeled
-from what each Pallas launch does (bench.walker) and from the TPU compiler's
-own analysis of the AOT-compiled program (bench.xla_cost); real timings are
-taken only when the process runs on a TPU.
+from what each Pallas launch does (bench.tracing finds the launches,
+bench.grid_walk walks their grids) and from the TPU compiler's own analysis
+of the AOT-compiled program (bench.xla_cost); real timings are taken only
+when the process runs on a TPU.
 """
 
 import os

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import model, moe, walker
+from . import grid_walk, model, moe, tracing
 
 ISSUE_3520 = "https://github.com/vllm-project/tpu-inference/issues/3520"
 TOKAMAX_1221 = "https://github.com/openxla/tokamax/pull/1221"
@@ -56,9 +56,9 @@ def _walk_gmm(gmm_fn, m, k, n, e, sizes, dtype=jnp.bfloat16, generation=None):
         jnp.asarray(sizes, jnp.int32),
     )
     if generation:
-        with walker.pretend_tpu(generation):
-            return walker.analyze(f, *args)
-    return walker.analyze(f, *args)
+        with tracing.pretend_tpu(generation):
+            return grid_walk.analyze(f, *args)
+    return grid_walk.analyze(f, *args)
 
 
 def _time(costs, generation, dma_as_steps=False):
@@ -72,8 +72,8 @@ def _scheduled_s(fn, args, generation) -> tuple[float, list]:
     """Scheduled seconds of every launch fn(*args) makes (bench.schedule)."""
     from . import schedule
 
-    with walker.pretend_tpu(generation):
-        launches = walker.trace_launches(fn, *args)
+    with tracing.pretend_tpu(generation):
+        launches = tracing.trace_launches(fn, *args)
         scheds = [schedule.schedule_launch(l, generation) for l in launches]
     return sum(s.seconds for s in scheds), scheds
 

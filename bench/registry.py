@@ -305,7 +305,7 @@ def _xla_dense(point, generation, ctx) -> Built:
 def _tokamax(point, generation, ctx) -> Built:
     """tokamax.ragged_dot x2 with its Pallas TPU kernel forced (off a TPU it
     would silently run XLA), config as tokamax picks it on `generation`."""
-    from . import walker
+    from . import tracing
     from .baselines import tokamax_gmm as tk
 
     try:
@@ -333,7 +333,7 @@ def _tokamax(point, generation, ctx) -> Built:
             return tk.ragged_dot(lhs, rhs, sizes, op=next(it))
 
         # emit_pipeline may size itself from the attached chip: answer for the target
-        with walker.pretend_tpu(generation):
+        with tracing.pretend_tpu(generation):
             return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights, min_rows=tk.MIN_ROWS)
 
     tiles = tuple((c.tile_m, c.tile_k, c.tile_n, c.input_buffer_count) for c, _ in picked)

@@ -159,6 +159,7 @@ def unpack(packed: str) -> str:
 # (bench/calibration.py); kept in torch_bindings.tpu_info with the clock, so
 # the kernels' tiling plans against the same figure.
 from torch_bindings.tpu_info import DMA_LATENCY_S  # noqa: E402
+
 # DMAs move data at this fraction of the device's HBM bandwidth: the copy
 # bandwidth tpu-inference #3520 measured on tpu7x (3.21 TB/s of 3.7), applied
 # to every generation (no other generation has a published copy figure).
@@ -271,8 +272,8 @@ def run_schedule(
 
 def schedule_launch(launch, generation: str) -> LaunchSchedule:
     """Scheduled time of one walker `Launch` on `generation`."""
-    from . import walker
+    from . import tracing
 
-    fn, args = walker.launch_program(launch)
+    fn, args = tracing.launch_program(launch)
     text = final_bundles(fn, args, generation)
     return run_schedule(text, operand_values(launch.operands), generation, launch.name)

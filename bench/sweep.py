@@ -19,7 +19,7 @@ from torch_bindings import tpu_info
 from . import model
 from . import registry
 from . import schedule
-from . import walker
+from . import grid_walk, tracing
 from . import xla_cost
 
 
@@ -56,8 +56,8 @@ class Context:
     def gate_and_schedule(self, launch, generation):
         """(compile result, LaunchSchedule or None, why not) of one launch: the
         compile gate and the schedule come from the same compile."""
-        kfn, kargs = walker.launch_program(launch)
-        sig = walker.launch_signature(launch)
+        kfn, kargs = tracing.launch_program(launch)
+        sig = tracing.launch_signature(launch)
         comp = self.compile(("kernel", sig), generation, kfn, kargs, want_schedule=self.scheduled)
         if not self.scheduled:
             return comp, None, "scheduled time disabled"
@@ -85,12 +85,12 @@ class Context:
     def compile_kernels(self, fn, args, generation) -> xla_cost.Compiled:
         """Compile gate of every pallas_call fn(*args) makes, each on its own
         (cached by what Mosaic compiles, shared with the sweep's own gates)."""
-        launches = walker.trace_launches(fn, *args)
+        launches = tracing.trace_launches(fn, *args)
         results = []
         for l in launches:
-            kfn, kargs = walker.launch_program(l)
+            kfn, kargs = tracing.launch_program(l)
             results.append(
-                self.compile(("kernel", walker.launch_signature(l)), generation, kfn, kargs)
+                self.compile(("kernel", tracing.launch_signature(l)), generation, kfn, kargs)
             )
         bad = [r for r in results if not r.ok]
         if bad:
@@ -104,8 +104,8 @@ class Context:
         if key not in self.walks:
             t = time.perf_counter()
             try:
-                launches = walker.trace_launches(fn, *args)
-                self.walks[key] = (launches, [walker.walk_launch(l) for l in launches])
+                launches = tracing.trace_launches(fn, *args)
+                self.walks[key] = (launches, [grid_walk.walk_launch(l) for l in launches])
             except Exception as e:  # noqa: BLE001 - recorded, not fatal
                 self.walks[key] = e
             finally:
@@ -143,7 +143,7 @@ def measure_us(fn: Callable, args, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times) * 1e6
 
 
-def _launch_json(c: walker.LaunchCost) -> dict:
+def _launch_json(c: grid_walk.LaunchCost) -> dict:
     return dict(
         name=c.name,
         grid=list(c.grid),

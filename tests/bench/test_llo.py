@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import bench  # noqa: F401  (switches the compiler dumps on before libtpu loads)
-from bench import llo, model, schedule, walker
+from bench import grid_walk, llo, model, schedule, tracing
 
 HBM = llo.HbmModel(bytes_per_cycle=100.0, latency_cycles=50.0)
 
@@ -144,7 +144,7 @@ def _gmm_launch(generation):
     ids = np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
     sizes = np.bincount(ids, minlength=experts).astype(np.int32)
     fn = functools.partial(ragged_dot, config=generation)
-    (launch,) = walker.trace_launches(
+    (launch,) = tracing.trace_launches(
         fn,
         jax.ShapeDtypeStruct((tokens * top_k, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16),
@@ -160,7 +160,7 @@ def test_gmm_schedule_moves_what_the_walk_counts(generation):
     branch it takes is decided."""
     _require_dumps()
     launch, active = _gmm_launch(generation)
-    cost = walker.walk_launch(launch)
+    cost = grid_walk.walk_launch(launch)
     s = schedule.schedule_launch(launch, generation)
     assert s.unknown_branches == 0, s.notes
     weights = active * 1024 * 768 * 2  # one expert is ~9% of the total here
@@ -188,7 +188,7 @@ def test_gmm_streams_qwen3_decode_weights_at_copy_bandwidth(generation, projecti
     ids = np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
     sizes = np.bincount(ids, minlength=experts).astype(np.int32)
     m = tokens * top_k
-    (launch,) = walker.trace_launches(
+    (launch,) = tracing.trace_launches(
         functools.partial(gmm, config=generation),
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16),
@@ -252,8 +252,8 @@ def _copy(x, w, wait_early):
 
 
 def _both_models(fn, args, generation="v6e"):
-    (launch,) = walker.trace_launches(fn, *args)
-    c = walker.walk_launch(launch)
+    (launch,) = tracing.trace_launches(fn, *args)
+    c = grid_walk.walk_launch(launch)
     ideal = model.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation)
     return ideal, schedule.schedule_launch(launch, generation)
 

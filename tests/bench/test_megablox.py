@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-from bench import model, moe, walker
+from bench import grid_walk, model, moe
 
 
 def _schedule(group_sizes, tm):
@@ -55,7 +55,7 @@ def test_megablox_bytes_match_independent_count(sizes, tiling):
     m, k, n, e = 64, 256, 384, 4
     tm, tk, tn = tiling
     f = lambda x, w, gs: megablox.gmm(x, w, gs, preferred_element_type=jnp.bfloat16, tiling=tiling)
-    [c] = walker.analyze(
+    [c] = grid_walk.analyze(
         f,
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16),
@@ -76,7 +76,7 @@ def _qwen_gate_up(tokens, tiling_fn, generation="v6e"):
     k, n = shape.hidden, 2 * shape.intermediate
     tiling = tiling_fn(m, k, n)
     f = lambda x, w, gs: megablox.gmm(x, w, gs, preferred_element_type=jnp.bfloat16, tiling=tiling)
-    [c] = walker.analyze(
+    [c] = grid_walk.analyze(
         f,
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((shape.experts, k, n), jnp.bfloat16),

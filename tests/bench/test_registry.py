@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from bench import moe, points, registry, walker
+from bench import moe, points, registry, tracing
 
 TINY = moe.MoeShape("tiny", experts=4, top_k=2, hidden=256, intermediate=128)
 # H != 2I, so a transposed weight cannot pass for the untransposed one.
@@ -116,7 +116,7 @@ def test_tokamax_runs_its_pallas_kernel_not_xla():
     pytest.importorskip("tokamax")
     point = moe.MoePoint(TINY, 8, "uniform")
     built = registry.REGISTRY["tokamax_ragged_dot"].build(point, "tpu7x", None)
-    launches = walker.trace_launches(built.fn, *point.walker_args())
+    launches = tracing.trace_launches(built.fn, *point.walker_args())
     assert [l.name for l in launches] == ["gmm_megablox", "gmm_megablox"]
 
 

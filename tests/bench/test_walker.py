@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bench import walker
+from bench import grid_walk, scalar_eval, tracing
 
 BF16 = jnp.bfloat16
 
@@ -45,7 +45,7 @@ def test_matmul_2x3_grid_counts_by_hand():
     tm, k, tn = 16, 256, 128
     x = jax.ShapeDtypeStruct((2 * tm, k), BF16)
     w = jax.ShapeDtypeStruct((k, 3 * tn), BF16)
-    [c] = walker.analyze(_matmul_2x3, x, w)
+    [c] = grid_walk.analyze(_matmul_2x3, x, w)
     assert c.grid == (2, 3) and c.steps == 6
     by = {o.origin: o for o in c.operands}
     xs, ws, out = (o for o in c.operands)
@@ -104,7 +104,7 @@ def test_scalar_prefetch_repeated_block_is_not_refetched():
     bm, h = 8, 128
     x = jax.ShapeDtypeStruct((4 * bm, h), jnp.float32)
     idx = jnp.array([0, 0, 2, 2, 2, 1], jnp.int32)
-    [c] = walker.analyze(functools.partial(_gather_rows, bm=bm), idx, x)
+    [c] = grid_walk.analyze(functools.partial(_gather_rows, bm=bm), idx, x)
     sp, xin, out = c.operands
     assert sp.kind == "scalar_prefetch" and sp.bytes == 6 * 4
     # fetched at steps 0 (block 0), 2 (block 2), 5 (block 1)
@@ -119,7 +119,7 @@ def test_output_revisits():
     # consecutive revisit (0,0) stays resident: one write-back; coming back to
     # block 0 after block 1 writes it again.
     idx = jnp.array([0, 0, 1, 0, 3], jnp.int32)
-    [c] = walker.analyze(functools.partial(_scatter_rows, bm=bm), idx, x)
+    [c] = grid_walk.analyze(functools.partial(_scatter_rows, bm=bm), idx, x)
     out = c.operands[-1]
     assert out.transfers == 4
     assert out.bytes == 4 * bm * h * 4
@@ -140,7 +140,7 @@ def test_squeezed_dims_and_edge_blocks():
             out_shape=jax.ShapeDtypeStruct(w.shape, w.dtype),
         )(w)
 
-    [c] = walker.analyze(f, jax.ShapeDtypeStruct((3, 20, 128), jnp.float32))
+    [c] = grid_walk.analyze(f, jax.ShapeDtypeStruct((3, 20, 128), jnp.float32))
     win, out = c.operands
     assert win.block_shape == (1, 8, 128)
     assert win.transfers == 9
@@ -176,7 +176,7 @@ def test_dynamic_trip_count_from_scalar_prefetch():
         )(n, x, w)
 
     trips = jnp.array([2, 0, 5], jnp.int32)
-    [c] = walker.analyze(
+    [c] = grid_walk.analyze(
         f, trips, jax.ShapeDtypeStruct((3 * tm, k), BF16), jax.ShapeDtypeStruct((k, tn), BF16)
     )
     assert c.flops == (2 + 0 + 5) * 2 * tm * k * tn
@@ -213,7 +213,7 @@ def test_manual_dma_counted_from_dma_start():
         )(idx, w)
 
     idx = jnp.array([0, -1, 2, 1], jnp.int32)  # step 1 copies nothing
-    [c] = walker.analyze(f, idx, jax.ShapeDtypeStruct((4 * rows, h), jnp.float32))
+    [c] = grid_walk.analyze(f, idx, jax.ShapeDtypeStruct((4 * rows, h), jnp.float32))
     w_op = c.operands[1]
     assert not w_op.counted and w_op.bytes == 0
     assert c.dma_bytes == 3 * rows * h * 4
@@ -243,7 +243,7 @@ def test_unknown_predicate_counts_costliest_branch():
             out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
         )(x, w)
 
-    [c] = walker.analyze(
+    [c] = grid_walk.analyze(
         f,
         jax.ShapeDtypeStruct((16, 128), jnp.float32),
         jax.ShapeDtypeStruct((128, 128), jnp.float32),
@@ -282,7 +282,7 @@ def test_smem_scratch_state_carries_across_steps():
             ),
         )(n, x, w)
 
-    [c] = walker.analyze(
+    [c] = grid_walk.analyze(
         f,
         jnp.array([3], jnp.int32),
         jax.ShapeDtypeStruct((24, 128), jnp.float32),
@@ -298,7 +298,7 @@ def test_pallas_call_inside_jit_and_custom_vjp_is_found():
 
     op.defvjp(lambda x, w: (op(x, w), None), lambda r, g: (g, g))
     f = jax.jit(lambda x, w: op(x * 2, w) + 1)
-    launches = walker.trace_launches(
+    launches = tracing.trace_launches(
         f, jax.ShapeDtypeStruct((32, 256), BF16), jax.ShapeDtypeStruct((256, 384), BF16)
     )
     assert len(launches) == 1
@@ -307,8 +307,8 @@ def test_pallas_call_inside_jit_and_custom_vjp_is_found():
 def test_unknown_scalar_prefetch_is_a_clear_error():
     x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
     idx = jax.ShapeDtypeStruct((4,), jnp.int32)  # shape only: grid undecidable
-    with pytest.raises(walker.EvalError, match="scalar-prefetch"):
-        walker.analyze(functools.partial(_gather_rows, bm=8), idx, x)
+    with pytest.raises(scalar_eval.EvalError, match="scalar-prefetch"):
+        grid_walk.analyze(functools.partial(_gather_rows, bm=8), idx, x)
 
 
 @settings(deadline=None, max_examples=20, derandomize=True)
@@ -319,7 +319,7 @@ def test_fetch_count_matches_runs_of_equal_indices(idx):
     bm, h = 8, 128
     arr = np.asarray(idx, np.int32)
     runs = 1 + int(np.count_nonzero(arr[1:] != arr[:-1]))
-    [c] = walker.analyze(
+    [c] = grid_walk.analyze(
         functools.partial(_gather_rows, bm=bm),
         jnp.asarray(arr),
         jax.ShapeDtypeStruct((6 * bm, h), jnp.float32),

@@ -309,12 +309,12 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
     """The kernel's own traffic at Qwen3-30B-A3B shapes: only active experts'
     weights are DMA'd, each once; bytes <= 1.05x min, time <= 1.15x roofline.
 
-    bench.walker replays the real gmm launch (its jaxpr, the in-kernel active
+    bench.grid_walk replays the real gmm launch (its jaxpr, the in-kernel active
     list, every dma_start and BlockSpec fetch) on the concrete group sizes, so
     this checks what the kernel issues, and that the numpy schedule the
     performance model uses agrees with it.
     """
-    from bench import walker
+    from bench import grid_walk
 
     gen = tiling.GENERATIONS[generation]
     rng = np.random.default_rng(tokens)
@@ -324,7 +324,7 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
     active = int((sizes > 0).sum())
     for k, n in QWEN3.values():
         cfg = tiling.gmm_config(m, k, n, 128, jnp.bfloat16, generation=generation)
-        [launch] = walker.analyze(
+        [launch] = grid_walk.analyze(
             functools.partial(gmm, config=cfg),
             jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),

@@ -1,20 +1,5 @@
-"""What a Pallas TPU launch does, read from the launch itself.
-
-No TPU is attached, so nothing here runs a kernel. `trace_launches` traces a
-JAX function with concrete inputs and evaluates its jaxpr on the CPU, except
-that every `pallas_call` is recorded with its concrete operands (scalar
-prefetch values and dynamic grid sizes included) instead of being run.
-`walk_launch` then replays the launch's grid in the order Mosaic runs it
-(last grid axis fastest) and counts what the pipeline moves and issues:
-
-* HBM bytes: an input block is fetched when its block index differs from
-  the previous step's; an output block is written back when its index
-  changes and once at the end. Blocks left in HBM (memory space ANY) are not
-  moved by the pipeline; the bytes of the kernel's own `dma_start`s are
-  counted instead, per step, from the kernel body.
-* grid steps.
-* MXU flops issued per step: `2*M*K*N` of every `dot_general` in the kernel
-  body, whatever the share of real rows in the block.
+"""A numpy evaluator for the scalar code of a Pallas kernel, vectorised over
+grid steps.
 
 Index maps and the scalar control flow of the kernel body (program ids,
 scalar-prefetch reads, `cond`, `while`, `scan`) are evaluated for all grid
@@ -22,247 +7,28 @@ steps at once with numpy, so a 100k-step grid costs milliseconds. Values the
 evaluator cannot know (anything read from VMEM, vector math) are "unknown":
 a `cond` on an unknown predicate counts its most expensive branch, a loop with
 an unknown trip count counts its body once; both are noted in the result.
+
+While evaluating a kernel body it also accumulates, per step, the MXU flops
+of every `dot_general` (`2*M*K*N`, whatever the share of real rows in the
+block) and the HBM bytes of every `dma_start`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 from jax._src import tree_util
-from jax._src.pallas import core as pallas_core
 from jax._src.state import discharge as state_discharge
 from jax._src.state import indexing as state_indexing
 from jax._src.state import types as state_types
 
-
-# --------------------------------------------------------------------------
-# Tracing: find the pallas_calls a function makes, with concrete operands.
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Unknown:
-    """A value the outer interpreter does not materialise (shape only)."""
-
-    aval: Any
-
-    @property
-    def shape(self):
-        return self.aval.shape
-
-    @property
-    def dtype(self):
-        return self.aval.dtype
-
-
-@dataclasses.dataclass
-class Launch:
-    """One pallas_call as the program would issue it."""
-
-    params: dict
-    operands: list  # concrete arrays, or Unknown for values we did not compute
-
-    @property
-    def name(self) -> str:
-        nsi = self.params.get("name_and_src_info") or self.params.get("name")
-        if nsi is not None:
-            return str(getattr(nsi, "name", nsi))
-        jaxpr = self.params["jaxpr"]
-        dbg = getattr(jaxpr, "debug_info", None)
-        return str(getattr(dbg, "func_name", None) or "pallas_call")
-
-
-# Primitives whose sub-jaxpr runs exactly once with the eqn's operands.
-_CALL_JAXPR_PARAM = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_lin": None,
-}
-
-
-def _sub_jaxprs(params: dict):
-    for v in params.values():
-        if isinstance(v, jax_core.ClosedJaxpr):
-            yield v.jaxpr
-        elif isinstance(v, jax_core.Jaxpr):
-            yield v
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                if isinstance(x, jax_core.ClosedJaxpr):
-                    yield x.jaxpr
-                elif isinstance(x, jax_core.Jaxpr):
-                    yield x
-
-
-_CONTAINS_CACHE: dict[int, bool] = {}
-
-
-def _contains_pallas(jaxpr: jax_core.Jaxpr) -> bool:
-    key = id(jaxpr)
-    if key in _CONTAINS_CACHE:
-        return _CONTAINS_CACHE[key]
-    found = False
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found = True
-            break
-        if any(_contains_pallas(j) for j in _sub_jaxprs(eqn.params)):
-            found = True
-            break
-    _CONTAINS_CACHE[key] = found
-    return found
-
-
-def _closed(j) -> tuple[jax_core.Jaxpr, Sequence[Any]]:
-    if isinstance(j, jax_core.ClosedJaxpr):
-        return j.jaxpr, j.consts
-    return j, ()
-
-
-class _Tracer:
-    """Evaluates a jaxpr on CPU, recording pallas_calls instead of running them."""
-
-    def __init__(self, materialize_outputs: bool):
-        self.launches: list[Launch] = []
-        self.materialize_outputs = materialize_outputs
-
-    def run(self, jaxpr: jax_core.Jaxpr, consts, args) -> list:
-        env: dict = {}
-
-        def read(v):
-            return v.val if isinstance(v, jax_core.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            outs = self._eqn(eqn, invals)
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    def _unknown_outs(self, eqn):
-        return [Unknown(v.aval) for v in eqn.outvars]
-
-    def _eqn(self, eqn, invals) -> list:
-        name = eqn.primitive.name
-        if name == "pallas_call":
-            self.launches.append(Launch(dict(eqn.params), list(invals)))
-            if self.materialize_outputs:
-                return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-            return self._unknown_outs(eqn)
-        subs = list(_sub_jaxprs(eqn.params))
-        if subs and any(_contains_pallas(j) for j in subs):
-            return self._control(eqn, invals)
-        if any(isinstance(x, Unknown) for x in invals):
-            return self._unknown_outs(eqn)
-        bind_params = eqn.primitive.get_bind_params(eqn.params)
-        ans = eqn.primitive.bind(*invals, **bind_params)
-        return list(ans) if eqn.primitive.multiple_results else [ans]
-
-    def _control(self, eqn, invals) -> list:
-        name = eqn.primitive.name
-        p = eqn.params
-        if name in _CALL_JAXPR_PARAM and _CALL_JAXPR_PARAM[name]:
-            jaxpr, consts = _closed(p[_CALL_JAXPR_PARAM[name]])
-            if name == "custom_jvp_call" or name == "custom_vjp_call":
-                # num_consts operands come first and are ordinary inputs here.
-                pass
-            return self.run(jaxpr, consts, invals)
-        if name == "cond":
-            index, *ops = invals
-            if isinstance(index, Unknown):
-                raise NotImplementedError(
-                    "cond around a pallas_call with an index the walker cannot compute"
-                )
-            branch = p["branches"][int(np.asarray(index))]
-            return self.run(branch.jaxpr, branch.consts, ops)
-        if name == "while":
-            cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-            nc, nb = p["cond_nconsts"], p["body_nconsts"]
-            cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-            while True:
-                (pred,) = self.run(cj.jaxpr, cj.consts, [*cconsts, *carry])
-                if isinstance(pred, Unknown):
-                    raise NotImplementedError("while predicate not computable")
-                if not bool(np.asarray(pred)):
-                    return carry
-                carry = self.run(bj.jaxpr, bj.consts, [*bconsts, *carry])
-        if name == "scan":
-            j = p["jaxpr"]
-            n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-            consts, carry, xs = (
-                invals[:n_consts],
-                invals[n_consts : n_consts + n_carry],
-                invals[n_consts + n_carry :],
-            )
-            ys_acc = []
-            order = range(length - 1, -1, -1) if p["reverse"] else range(length)
-            for i in order:
-                x_i = [
-                    Unknown(jax_core.ShapedArray(x.shape[1:], x.dtype))
-                    if isinstance(x, Unknown)
-                    else x[i]
-                    for x in xs
-                ]
-                outs = self.run(j.jaxpr, j.consts, [*consts, *carry, *x_i])
-                carry, ys = outs[:n_carry], outs[n_carry:]
-                ys_acc.append(ys)
-            if p["reverse"]:
-                ys_acc.reverse()
-            stacked = []
-            for k, v in enumerate(eqn.outvars[n_carry:]):
-                col = [y[k] for y in ys_acc]
-                if any(isinstance(c, Unknown) for c in col):
-                    stacked.append(Unknown(v.aval))
-                else:
-                    stacked.append(jnp.stack(col))
-            return [*carry, *stacked]
-        raise NotImplementedError(
-            f"the walker does not know how to run {name!r} around a pallas_call"
-        )
-
-
-def trace_launches(
-    fn: Callable, *args, materialize_outputs: bool = False, **kwargs
-) -> list[Launch]:
-    """Every pallas_call `fn(*args, **kwargs)` makes, with concrete operands.
-
-    Arguments may be concrete arrays or `jax.ShapeDtypeStruct`s; the latter
-    stay symbolic, which is enough for operands that only feed kernels (e.g.
-    expert weights) and keeps big shapes cheap. Whatever decides the grid or
-    the scalar prefetch (group sizes, routing) must be concrete.
-    """
-    closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    vals = [
-        Unknown(jax_core.ShapedArray(a.shape, a.dtype))
-        if isinstance(a, jax.ShapeDtypeStruct)
-        else a
-        for a in jax.tree_util.tree_leaves(args)
-    ]
-    tracer = _Tracer(materialize_outputs)
-    tracer.run(closed.jaxpr, closed.consts, vals)
-    return tracer.launches
-
-
-# --------------------------------------------------------------------------
-# A numpy evaluator for scalar code, vectorised over grid steps.
-# --------------------------------------------------------------------------
+from .tracing import CALL_JAXPR_PARAM, closed
 
 
 class _Unk:
@@ -403,7 +169,7 @@ class _Ref:
 
 
 @dataclasses.dataclass
-class _Cost:
+class Cost:
     """Per-step costs accumulated while evaluating a kernel body."""
 
     flops: np.ndarray
@@ -427,7 +193,7 @@ class _VecEval:
         self,
         program_ids: Sequence[np.ndarray],
         grid: Sequence[int],
-        cost: _Cost | None,
+        cost: Cost | None,
         refs: Sequence[_Ref] = (),
     ):
         self.program_ids = program_ids
@@ -521,8 +287,8 @@ class _VecEval:
             "custom_jvp_call",
             "custom_vjp_call",
         ):
-            key = _CALL_JAXPR_PARAM[name]
-            j, consts = _closed(eqn.params[key])
+            key = CALL_JAXPR_PARAM[name]
+            j, consts = closed(eqn.params[key])
             return self.run(j, consts, invals, mask)
         if name == "run_scoped":
             # The scope's allocations are the jaxpr's invars; what it closes over
@@ -768,7 +534,7 @@ class _VecEval:
         for b in range(len(branches)):
             self._restore(snap)
             if saved is not None:
-                self.cost = _Cost(np.zeros(self.n), np.zeros(self.n), saved.notes)
+                self.cost = Cost(np.zeros(self.n), np.zeros(self.n), saved.notes)
             run_branch(b, mask)
             costs.append(self.cost)
             states.append(self._snapshot())
@@ -833,7 +599,7 @@ class _VecEval:
         if length > self._MAX_SCAN_UNROLL:
             if self.cost is not None:
                 saved = self.cost
-                self.cost = _Cost(np.zeros(self.n), np.zeros(self.n), saved.notes)
+                self.cost = Cost(np.zeros(self.n), np.zeros(self.n), saved.notes)
                 self.run(j.jaxpr, j.consts, [*consts, *[UNK] * ncarry, *[UNK] * len(xs)], mask)
                 saved.flops += self.cost.flops * length
                 saved.dma_bytes += self.cost.dma_bytes * length
@@ -863,7 +629,7 @@ def _dot_flops(eqn) -> int:
     return 2 * math.prod(lhs.shape) * math.prod(rhs_free)
 
 
-def _is_hbm(memory_space) -> bool:
+def is_hbm(memory_space) -> bool:
     s = str(memory_space).lower()
     return "any" in s or "hbm" in s
 
@@ -888,70 +654,11 @@ def _dma_hbm_bytes(eqn) -> int | None:
     if any(not isinstance(d, (int, np.integer)) for d in s_shape):
         return None
     nbytes = math.prod(s_shape) * np.dtype(s_dt).itemsize
-    sides = int(_is_hbm(s_ms)) + int(_is_hbm(d_ms))
+    sides = int(is_hbm(s_ms)) + int(is_hbm(d_ms))
     return nbytes * sides
 
 
-# --------------------------------------------------------------------------
-# Walking the grid.
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class OperandTraffic:
-    origin: str
-    kind: str  # "input" | "output" | "scalar_prefetch"
-    array_shape: tuple
-    block_shape: tuple  # per-dim extent of one block (squeezed dims as 1)
-    dtype: str
-    memory_space: str
-    transfers: int  # block fetches (inputs) or write-backs (outputs)
-    bytes: int
-    counted: bool  # False: left in HBM, moved by the kernel's own DMAs
-
-
-@dataclasses.dataclass
-class LaunchCost:
-    name: str
-    grid: tuple
-    steps: int
-    operands: list
-    pipeline_bytes: int  # what BlockSpec pipelining moves
-    dma_bytes: int  # what the kernel's own dma_starts move (HBM side)
-    flops: int  # MXU flops issued over all steps
-    notes: list
-    dma_issues: int  # HBM-side dma_starts the kernel body executes
-    declared_flops: float | None  # the launch's own CostEstimate
-    declared_bytes: float | None
-
-    @property
-    def hbm_bytes(self) -> int:
-        return self.pipeline_bytes + self.dma_bytes
-
-    @property
-    def uncounted(self) -> list:
-        return [o.origin for o in self.operands if not o.counted]
-
-
-def _block_dims(bm) -> list:
-    dims = []
-    for bd in bm.block_shape:
-        if isinstance(bd, pallas_core.Squeezed) or bd is None:
-            dims.append(("squeezed", 1))
-        elif isinstance(bd, pallas_core.Blocked):
-            dims.append(("blocked", bd.block_size))
-        elif isinstance(bd, pallas_core.Element):
-            dims.append(("element", bd.block_size))
-        elif isinstance(bd, pallas_core.BoundedSlice):
-            dims.append(("bounded", bd.block_size))
-        elif isinstance(bd, int):
-            dims.append(("blocked", bd))
-        else:
-            raise EvalError(f"unsupported block dim {bd!r}")
-    return dims
-
-
-def _eval_index_map(bm, program_ids, grid, scalars) -> list[np.ndarray]:
+def eval_index_map(bm, program_ids, grid, scalars) -> list[np.ndarray]:
     """Block indices per grid step, one array per array dimension."""
     n = len(program_ids[0]) if program_ids else 1
     ev = _VecEval(program_ids, grid, None)
@@ -981,31 +688,6 @@ def _eval_index_map(bm, program_ids, grid, scalars) -> list[np.ndarray]:
     return [np.asarray(r, np.int64).reshape(n) for r in res]
 
 
-def _transfers(indices: list[np.ndarray]) -> np.ndarray:
-    """Steps at which the block index differs from the previous step's."""
-    n = len(indices[0]) if indices else 1
-    changed = np.zeros(n, bool)
-    changed[0] = True
-    for ix in indices:
-        changed[1:] |= ix[1:] != ix[:-1]
-    return changed
-
-
-def _moved_bytes(indices, dims, array_shape, itemsize, at: np.ndarray) -> int:
-    """Bytes of the blocks moved at the steps `at`, clipped to the array."""
-    extent = np.ones(int(at.sum()), np.int64)
-    for ix, (kind, size), full in zip(indices, dims, array_shape):
-        sel = ix[at]
-        if kind == "squeezed":
-            e = np.ones_like(sel)
-        elif kind == "blocked":
-            e = np.clip(full - sel * size, 0, size)
-        else:  # element offsets / bounded slices: at most `size` from the offset
-            e = np.clip(full - sel, 0, size)
-        extent = extent * e
-    return int(extent.sum()) * itemsize
-
-
 # Grids up to this many steps whose kernel keeps scalar state in SMEM scratch
 # are evaluated one step at a time, so that state carries from step to step.
 SEQUENTIAL_MAX_STEPS = 20_000
@@ -1015,7 +697,7 @@ def _is_smem(aval) -> bool:
     return "smem" in str(getattr(aval, "memory_space", "")).lower()
 
 
-def _eval_body(body, gm, scalars, program_ids, grid, cost: _Cost, notes: list):
+def eval_body(body, gm, scalars, program_ids, grid, cost: Cost, notes: list):
     """Accumulates the kernel body's per-step MXU flops and DMA bytes."""
     n_scratch = len(gm.scratch_avals)
     n_lead = len(body.invars) - n_scratch
@@ -1036,7 +718,7 @@ def _eval_body(body, gm, scalars, program_ids, grid, cost: _Cost, notes: list):
     refs = {i: _Ref(scratch_avals[i].shape, scratch_avals[i].dtype) for i in tracked}
     scratch = [refs.get(i, UNK) for i in range(n_scratch)]
     for s in range(steps):
-        step_cost = _Cost(np.zeros(1), np.zeros(1), cost.notes)
+        step_cost = Cost(np.zeros(1), np.zeros(1), cost.notes)
         ev = _VecEval(
             [p[s : s + 1] for p in program_ids], grid, step_cost, refs=list(refs.values())
         )
@@ -1044,205 +726,3 @@ def _eval_body(body, gm, scalars, program_ids, grid, cost: _Cost, notes: list):
         cost.flops[s] += step_cost.flops[0]
         cost.dma_bytes[s] += step_cost.dma_bytes[0]
         cost.dma_issues[s] += step_cost.dma_issues[0]
-
-
-def walk_launch(launch: Launch) -> LaunchCost:
-    """Counts HBM traffic, grid steps and issued MXU flops of one launch."""
-    p = launch.params
-    gm = p["grid_mapping"]
-    ops = launch.operands
-    n_dyn = gm.num_dynamic_grid_bounds
-    dyn = iter(ops[:n_dyn])
-    grid = []
-    for g in gm.grid:
-        if isinstance(g, pallas_core.DynamicGridDim):
-            v = next(dyn)
-            if isinstance(v, Unknown):
-                raise EvalError("dynamic grid size is not computable from the inputs")
-            grid.append(int(np.asarray(v)))
-        else:
-            grid.append(int(g))
-    grid = tuple(grid)
-    rest = ops[n_dyn:]
-    n_idx = gm.num_index_operands
-    scalars = rest[:n_idx]
-    for s in scalars:
-        if isinstance(s, Unknown):
-            raise EvalError("scalar-prefetch operand is not computable from the inputs")
-    scalars = [np.asarray(s) for s in scalars]
-    steps = math.prod(grid)
-    notes: list[str] = []
-    if steps == 0:
-        program_ids = [np.zeros(0, np.int32) for _ in grid]
-    elif not grid:
-        program_ids = []  # a single step with no program ids
-    else:
-        program_ids = [a.reshape(-1).astype(np.int32) for a in np.indices(grid, dtype=np.int32)]
-
-    operands: list[OperandTraffic] = []
-    for k, s in enumerate(scalars):
-        operands.append(
-            OperandTraffic(
-                origin=f"scalar_prefetch[{k}]",
-                kind="scalar_prefetch",
-                array_shape=tuple(s.shape),
-                block_shape=tuple(s.shape),
-                dtype=str(s.dtype),
-                memory_space="smem",
-                transfers=1,
-                bytes=int(s.nbytes),
-                counted=True,
-            )
-        )
-
-    n_in = gm.num_inputs
-    for i, bm in enumerate(gm.block_mappings):
-        kind = "input" if i < n_in else "output"
-        aval = bm.array_aval
-        itemsize = np.dtype(aval.dtype).itemsize
-        ms = getattr(bm.transformed_block_aval, "memory_space", None)
-        dims = _block_dims(bm)
-        block_shape = tuple(s for _, s in dims)
-        if _is_hbm(ms):
-            operands.append(
-                OperandTraffic(
-                    origin=str(bm.origin),
-                    kind=kind,
-                    array_shape=tuple(aval.shape),
-                    block_shape=tuple(aval.shape),
-                    dtype=str(aval.dtype),
-                    memory_space=str(ms),
-                    transfers=0,
-                    bytes=0,
-                    counted=False,
-                )
-            )
-            continue
-        if steps == 0:
-            operands.append(
-                OperandTraffic(
-                    str(bm.origin),
-                    kind,
-                    tuple(aval.shape),
-                    block_shape,
-                    str(aval.dtype),
-                    str(ms),
-                    0,
-                    0,
-                    True,
-                )
-            )
-            continue
-        indices = _eval_index_map(bm, program_ids, grid, scalars)
-        at = _transfers(indices)
-        nbytes = _moved_bytes(indices, dims, aval.shape, itemsize, at)
-        operands.append(
-            OperandTraffic(
-                origin=str(bm.origin),
-                kind=kind,
-                array_shape=tuple(aval.shape),
-                block_shape=block_shape,
-                dtype=str(aval.dtype),
-                memory_space=str(ms),
-                transfers=int(at.sum()),
-                bytes=nbytes,
-                counted=True,
-            )
-        )
-
-    cost = _Cost(np.zeros(max(steps, 0)), np.zeros(max(steps, 0)), set())
-    if steps:
-        _eval_body(p["jaxpr"], gm, scalars, program_ids, grid, cost, notes)
-    notes.extend(sorted(cost.notes))
-    uncounted = [o.origin for o in operands if not o.counted]
-    dma = int(cost.dma_bytes.sum())
-    if uncounted:
-        if dma:
-            notes.append(
-                f"{', '.join(uncounted)} left in HBM: counted from the kernel's dma_start sizes"
-            )
-        else:
-            notes.append(f"{', '.join(uncounted)} left in HBM: manual DMA, uncounted")
-    ce = p.get("cost_estimate")
-    return LaunchCost(
-        name=launch.name,
-        grid=grid,
-        steps=steps,
-        operands=operands,
-        pipeline_bytes=sum(o.bytes for o in operands if o.counted),
-        dma_bytes=dma,
-        flops=int(cost.flops.sum()),
-        notes=notes,
-        dma_issues=int(cost.dma_issues.sum()),
-        declared_flops=float(ce.flops) if ce is not None else None,
-        declared_bytes=float(ce.bytes_accessed) if ce is not None else None,
-    )
-
-
-def analyze(fn: Callable, *args, **kwargs) -> list[LaunchCost]:
-    """`walk_launch` over every pallas_call `fn(*args, **kwargs)` makes."""
-    return [walk_launch(l) for l in trace_launches(fn, *args, **kwargs)]
-
-
-def launch_program(launch: Launch):
-    """(fn, args) compiling this one pallas_call on its own: the Mosaic compile
-    gate of a kernel, without the XLA program around it."""
-    from jax._src.pallas import pallas_call as pallas_call_mod
-
-    params = launch.params
-    args = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in launch.operands]
-
-    def fn(*ops):
-        return pallas_call_mod.pallas_call_p.bind(*ops, **params)
-
-    return fn, args
-
-
-def launch_signature(launch: Launch) -> str:
-    """A stable digest of what Mosaic compiles for this launch."""
-    import hashlib
-
-    p = launch.params
-    text = "|".join(
-        [
-            str(p["jaxpr"]),
-            str(p["grid_mapping"]),
-            str(p.get("compiler_params")),
-            str(p.get("input_output_aliases")),
-            ";".join(f"{o.shape}{o.dtype}" for o in launch.operands),
-        ]
-    )
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
-class pretend_tpu:
-    """Context manager: Pallas' `get_tpu_info()` answers for `generation`
-    (one JAX device, as torch_bindings.tpu_info describes it) while tracing on a
-    host without a TPU, for kernels and pipelines (emit_pipeline) that size
-    tiles from the attached chip."""
-
-    def __init__(self, generation: str):
-        from torch_bindings import tpu_info
-
-        self.facts = tpu_info.facts(generation)  # raises for an unknown name
-        self.generation = generation
-
-    def __enter__(self):
-        from jax._src.pallas.mosaic import tpu_info as ti
-
-        chip = ti.ChipVersion(self.facts.chip_version)
-        info = ti.get_tpu_info_for_chip(chip, self.facts.tensor_cores_per_device)
-        from jax.experimental.pallas import tpu as pltpu
-
-        fake = lambda: info
-        # the private module (used by Pallas' own pipeline code) and the public
-        # re-export (used by kernels)
-        self._saved = [(m, m.get_tpu_info) for m in (ti, pltpu) if hasattr(m, "get_tpu_info")]
-        for m, _ in self._saved:
-            m.get_tpu_info = fake
-        return info
-
-    def __exit__(self, *exc):
-        for m, f in self._saved:
-            m.get_tpu_info = f
-        return False
