@@ -19,34 +19,12 @@ import functools
 import importlib
 import inspect
 import math
-import os
-import sys
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from . import moe
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _add_kernel_paths():
-    """Repo root and every kernels/<kernel>/ folder, as tests/conftest.py does."""
-    paths = [_REPO]
-    kdir = os.path.join(_REPO, "kernels")
-    if os.path.isdir(kdir):
-        paths += [
-            os.path.join(kdir, d)
-            for d in sorted(os.listdir(kdir))
-            if os.path.isdir(os.path.join(kdir, d))
-        ]
-    for p in paths:
-        if p not in sys.path:
-            sys.path.append(p)
-
-
-_add_kernel_paths()
 
 
 class Skip(Exception):

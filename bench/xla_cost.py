@@ -17,15 +17,10 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import threading
 from typing import Any, Callable, Sequence
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-
-from torch_bindings.aot import _TRANSIENT  # noqa: E402  (a failure that is not the program's)
+from torch_bindings.aot import _TRANSIENT  # a failure that is not the program's
 
 
 @dataclasses.dataclass(frozen=True)

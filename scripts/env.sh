@@ -2,6 +2,15 @@
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 export PATH="$VENV/bin:$PATH"
+# This checkout's root (bench, torch_bindings) and kernel folders (one package each) come
+# first on the import path. Computed here rather than written into the venv (a .pth) so that
+# worktrees sharing one .venv, and scripts/mutants.py's copies, each import their own files,
+# and a subprocess that must not see the source tree (tests/test_hub.py) drops one variable.
+# ROOT/kernels has no __init__.py: as a namespace folder it cannot shadow HF's `kernels`.
+_paths="$ROOT"
+for _d in "$ROOT"/kernels/*/; do _paths="$_paths:${_d%/}"; done
+export PYTHONPATH="$_paths${PYTHONPATH:+:$PYTHONPATH}"
+unset _paths _d
 # libtpu is installed; without a TPU, JAX would try (and fail) to open one.
 if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"

@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "kernels" / "rmsnorm"), str(ROOT)]
 
 
 def _time_per_call(fn, calls: int, repeats: int) -> float:

@@ -487,12 +487,24 @@ def first_error(log: Path) -> str:
     return ""
 
 
+def _in_copy(path: str, tree: Path) -> str:
+    """scripts/env.sh's import paths of this checkout (its root, its kernel folders),
+    pointed at the copy; other paths (site-packages, even inside ROOT/.venv) unchanged."""
+    root = str(ROOT)
+    if path == root or path.startswith(str(ROOT / "kernels") + os.sep):
+        return str(tree) + path[len(root) :]
+    return path
+
+
 def _child_env(tree: Path) -> dict:
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
         HYPOTHESIS_PROFILE="mutants",
         PYTHONDONTWRITEBYTECODE="1",
+        PYTHONPATH=os.pathsep.join(
+            _in_copy(p, tree) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+        ),
     )
     return env
 
@@ -509,9 +521,10 @@ def _run_fork(tree: Path, tests, timeout: float, log: Path) -> int:
             os.chdir(tree)
             os.environ.update(_child_env(tree))
             sys.dont_write_bytecode = True
-            # Drop this script's folder and the checkout root (the copy's conftest
-            # adds the copy's own folders); keep the environment's site-packages.
-            sys.path[:] = [p for p in sys.path if p not in ("", str(ROOT), str(ROOT / "scripts"))]
+            # Drop this script's folder; the checkout's import paths become the copy's.
+            sys.path[:] = [
+                _in_copy(p, tree) for p in sys.path if p not in ("", str(ROOT / "scripts"))
+            ]
             import pytest
 
             code = int(pytest.main([*PYTEST_ARGS, *tests]))

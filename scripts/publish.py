@@ -27,14 +27,12 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from torch_bindings.namespace import op_namespace, package_files
 
-from torch_bindings.namespace import op_namespace, package_files  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DIGEST_EXCLUDE = ("metadata.json", "metadata.json.sigstore")
 

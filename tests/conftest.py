@@ -8,14 +8,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_DIRS = sorted(p for p in (ROOT / "kernels").iterdir() if p.is_dir())
-# Append (not prepend) the repo root, so that `import kernels` keeps meaning
-# Hugging Face's library; each kernel folder holds its package (e.g. rmsnorm_tpu).
-# tests/ itself holds shared helpers (gate.py); test modules are imported by
-# path (--import-mode=importlib), so same-named files in kernel folders coexist.
-for p in [*KERNEL_DIRS, ROOT, ROOT / "tests"]:
-    if str(p) not in sys.path:
-        sys.path.append(str(p))
+
+
+def _check_import_path():
+    """scripts/env.sh puts this checkout's root and kernel folders on PYTHONPATH; a
+    session started without it, or with another checkout's, would test other files."""
+    import importlib.util
+
+    import pytest
+
+    names = ["bench", "torch_bindings"] + [
+        p.name for p in sorted((ROOT / "kernels").glob("*/*")) if (p / "__init__.py").is_file()
+    ]
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        origin = os.path.realpath(getattr(spec, "origin", None) or "/nowhere")
+        if not origin.startswith(str(ROOT) + os.sep):
+            raise pytest.UsageError(
+                f"`{name}` imports from {origin}, not from {ROOT}: source {ROOT}/scripts/env.sh"
+            )
+
+
+_check_import_path()
+# tests/ holds shared test helpers (gate.py), appended so that none of its folders
+# (tests/bench) shadows a package; test modules are imported by path
+# (--import-mode=importlib), so same-named files in kernel folders coexist.
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))
 
 # bench's scheduled-time tests read the TPU compiler's dumps, which libtpu
 # only writes when the flags are set before it loads (any test importing

@@ -16,8 +16,10 @@ PUBLISH = [sys.executable, str(ROOT / "scripts" / "publish.py")]
 REPO = "tpu-kernels/rmsnorm-tpu"
 
 
-def _clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+def _clean_env(source_tree=False, **extra):
+    """The environment without scripts/env.sh's import paths, unless `source_tree`
+    (publish.py imports torch_bindings; a loaded kernel must not see the tree)."""
+    env = {k: v for k, v in os.environ.items() if source_tree or k != "PYTHONPATH"}
     env.update(JAX_PLATFORMS="cpu", **extra)
     return env
 
@@ -32,12 +34,14 @@ def dist(tmp_path_factory):
 
 
 def test_kernels_folder_does_not_shadow_hf_kernels():
+    # With the checkout both as the working directory and on scripts/env.sh's PYTHONPATH.
+    assert str(ROOT) in os.environ.get("PYTHONPATH", "").split(os.pathsep)
     out = subprocess.run(
         [sys.executable, "-c", "import kernels; kernels.get_kernel; print(kernels.__file__)"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env=_clean_env(),
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert out.returncode == 0, out.stderr
     assert "site-packages" in out.stdout
@@ -94,7 +98,9 @@ LOAD_SCRIPT = r"""
 import sys, json, torch
 from pathlib import Path
 from kernels import get_kernel, get_local_kernel
-assert not any(p.rstrip('/').endswith('/main') or 'kernels/rmsnorm' in p for p in sys.path if p), sys.path
+root = sys.argv[2]  # the checkout; its .venv (site-packages) may lie inside it
+src = [p for p in sys.path if p.rstrip('/') == root or p.startswith(root + '/kernels') or 'kernels/rmsnorm' in p]
+assert not src, sys.path
 k = get_kernel("tpu-kernels/rmsnorm-tpu", version=1)
 x = torch.randn(3, 5, 200)
 w = torch.randn(200)
@@ -110,7 +116,7 @@ print(json.dumps({"name": k.__name__, "file": k.__file__, "err": err, "all": sor
 def test_get_kernel_loads_built_artifact_without_repo_code(dist, tmp_path):
     repo = dist / "rmsnorm-tpu"
     out = subprocess.run(
-        [sys.executable, "-c", LOAD_SCRIPT, str(repo)],
+        [sys.executable, "-c", LOAD_SCRIPT, str(repo), str(ROOT)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -194,7 +200,7 @@ def test_upload_dry_run_prints_plan_without_network(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env=_clean_env(HF_HUB_OFFLINE="1", HF_TOKEN="hf_secret_do_not_print"),
+        env=_clean_env(True, HF_HUB_OFFLINE="1", HF_TOKEN="hf_secret_do_not_print"),
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -221,7 +227,7 @@ def test_upload_refuses_dirty_tree(tmp_path):
             cwd=ROOT,
             capture_output=True,
             text=True,
-            env=_clean_env(),
+            env=_clean_env(True),
         )
     finally:
         probe.unlink()
