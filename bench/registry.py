@@ -122,7 +122,7 @@ def _ours_moe(point, generation, ctx) -> Built:
 
 
 def _ours_ragged_dot(point, generation, ctx) -> Built:
-    op = _with_generation(_import_attr("ragged_dot_tpu.ragged_dot", "ragged_dot"), generation)
+    op = _with_generation(_import_attr("ragged_dot_tpu.api", "ragged_dot"), generation)
 
     def gmm(lhs, rhs, sizes):
         return op(lhs, rhs, sizes)  # ADAPT: ragged_dot(lhs, rhs, group_sizes)
@@ -376,7 +376,7 @@ register(
     Impl(
         "ours_ragged_dot",
         "moe",
-        "ragged_dot_tpu.ragged_dot.ragged_dot x2 + XLA dispatch/combine",
+        "ragged_dot_tpu.api.ragged_dot x2 + XLA dispatch/combine",
         _ours_ragged_dot,
         ours=True,
     )
@@ -465,7 +465,7 @@ register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsn
 
 def _ours_attention(point, generation, ctx) -> Built:
     op = _with_generation(
-        _import_attr("flash_attention_tpu.flash_attention", "flash_attention"), generation
+        _import_attr("flash_attention_tpu.kernel_fwd", "flash_attention"), generation
     )
 
     def fn(q, k, v):
@@ -547,7 +547,7 @@ register(
     Impl(
         "ours_flash_attention",
         "attention",
-        "flash_attention_tpu.flash_attention.flash_attention",
+        "flash_attention_tpu.api.flash_attention",
         _ours_attention,
         ours=True,
     )

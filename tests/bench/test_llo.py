@@ -135,7 +135,7 @@ def _require_dumps():
 
 
 def _gmm_launch(generation):
-    from ragged_dot_tpu.ragged_dot import ragged_dot
+    from ragged_dot_tpu.api import ragged_dot
 
     rng = np.random.default_rng(3)
     # Weights larger than any VMEM (100 MB), so the compiler keeps them in HBM

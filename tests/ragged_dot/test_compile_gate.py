@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import pytest
 
 from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
-from ragged_dot_tpu.gmm import gmm
+from ragged_dot_tpu.kernel_gmm import gmm
 from ragged_dot_tpu.moe import moe_experts
-from ragged_dot_tpu.tgmm import tgmm
+from ragged_dot_tpu.kernel_tgmm import tgmm
 
 # name: (experts, top_k, hidden, intermediate)
 MODELS = {

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ragged_dot_tpu
-from ragged_dot_tpu import experts as experts_mod
+from ragged_dot_tpu import layers as experts_mod
 from ragged_dot_tpu import ops as rd_ops
 from tolerances import assert_close
 from torch_bindings import cpu_impl

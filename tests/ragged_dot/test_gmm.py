@@ -20,11 +20,11 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from ragged_dot_tpu import checks, tiling
-from ragged_dot_tpu.gmm import gmm, gmm_dma_schedule
-from ragged_dot_tpu.ragged_dot import ragged_dot
+from ragged_dot_tpu.kernel_gmm import gmm, gmm_dma_schedule
+from ragged_dot_tpu.api import ragged_dot
 from ragged_dot_tpu.reference import ragged_dot_reference, tgmm_reference
 from ragged_dot_tpu.reference_torch import ragged_dot_torch
-from ragged_dot_tpu.tgmm import tgmm
+from ragged_dot_tpu.kernel_tgmm import tgmm
 from tolerances import assert_close
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -424,7 +424,7 @@ def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
     """GPT-OSS prefill: K = N = 2880 full-extent blocks exceed VMEM, so tgmm pads
     K and N to the 128-lane tile and slices the result; the numbers must not change."""
     import numpy as np
-    from ragged_dot_tpu import reference, tgmm as tgmm_mod, tiling
+    from ragged_dot_tpu import reference, kernel_tgmm as tgmm_mod, tiling
 
     real = tiling.tgmm_config
     calls = []

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from . import checks
 from . import reference
-from .ragged_dot import ragged_dot
+from .api import ragged_dot
 
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "gpt_oss")
 

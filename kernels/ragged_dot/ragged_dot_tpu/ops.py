@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import checks, moe, reference
-from .ragged_dot import ragged_dot as _jax_ragged_dot
+from .api import ragged_dot as _jax_ragged_dot
 from ._torch_bindings import OpLibrary, validate
 
 LIB = OpLibrary("ragged_dot_tpu", Path(__file__).parent)

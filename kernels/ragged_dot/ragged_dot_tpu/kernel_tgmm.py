@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from . import tiling
-from .gmm import _local_rows, _shard_rows, for_each_piece, row_passes
+from .kernel_gmm import _local_rows, _shard_rows, for_each_piece, row_passes
 
 
 def _resolve_config(config, m, k, n, g, dtype, out_dtype):

@@ -13,7 +13,7 @@ repeated in memory:
   decode token still fills G rows.
 
 Grid. (batch, kv head, step) where steps walk a compact scalar-prefetched
-schedule of visible (q block, kv block) pairs (see block_schedule.py): the
+schedule of visible (q block, kv block) pairs (see schedule.py): the
 forward and dQ kernels walk it q-major, the dK/dV kernel kv-major. Hidden
 pairs cost no grid step. Pairs that are fully visible skip the elementwise
 mask; the rest (diagonal, window edges, sequence tails, segments) apply it,
@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import block_schedule as bsched
+from . import schedule as bsched
 from . import checks
 from . import tiling
 

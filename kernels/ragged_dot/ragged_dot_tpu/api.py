@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from . import checks
 from . import tiling
-from .gmm import gmm
-from .tgmm import tgmm
+from .kernel_gmm import gmm
+from .kernel_tgmm import tgmm
 
 
 def _configs(config):
