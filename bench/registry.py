@@ -465,7 +465,7 @@ register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsn
 
 def _ours_attention(point, generation, ctx) -> Built:
     op = _with_generation(
-        _import_attr("flash_attention_tpu.kernel_fwd", "flash_attention"), generation
+        _import_attr("flash_attention_tpu.api", "flash_attention"), generation
     )
 
     def fn(q, k, v):

@@ -59,6 +59,8 @@ RD_OPS = "kernels/ragged_dot/ragged_dot_tpu/ops.py"
 MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
 FA = "kernels/flash_attention/flash_attention_tpu/kernel_fwd.py"
+FA_BWD = "kernels/flash_attention/flash_attention_tpu/kernel_bwd.py"
+FA_API = "kernels/flash_attention/flash_attention_tpu/api.py"
 FA_SCHED = "kernels/flash_attention/flash_attention_tpu/schedule.py"
 FA_OPS = "kernels/flash_attention/flash_attention_tpu/ops.py"
 TB = "torch_bindings"
@@ -308,15 +310,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fa-dq-scale",
-        FA,
+        FA_BWD,
         "dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)",
-        "dq_ref[...] = (dq_acc[...] * (1.0 / math.sqrt(prm.head_dim))).astype(dq_ref.dtype)",
+        "dq_ref[...] = (dq_acc[...] * prm.head_dim**-0.5).astype(dq_ref.dtype)",
         (FA_SCALE,),
         "dQ: softmax_scale ignored (1/sqrt(D) used)",
     ),
     Mutant(
         "fa-dk-overwrite",
-        FA,
+        FA_BWD,
         "dk_acc[...] += dk",
         "dk_acc[...] = dk",
         (FA_SCALE,),
@@ -324,7 +326,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fa-dkdv-softcap",
-        FA,
+        FA_BWD,
         "ds = ds * (1.0 - t * t)\n        dk = lax.dot_general",
         "ds = ds\n        dk = lax.dot_general",
         (FA_SCALE,),
@@ -340,7 +342,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fa-lse-cotangent",
-        FA,
+        FA_API,
         "delta = delta - dlse.astype(jnp.float32)",
         "delta = delta + dlse.astype(jnp.float32)",
         (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
@@ -356,7 +358,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fa-varlen-segments",
-        FA,
+        FA_API,
         'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="right") - 1, 0, cu_k.shape[0] - 2)',
         'kseg = jnp.clip(jnp.searchsorted(cu_k, t_k, side="left") - 1, 0, cu_k.shape[0] - 2)',
         (f"{T_FA}::test_varlen_many_sequences_some_empty",),

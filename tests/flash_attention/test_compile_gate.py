@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flash_attention_tpu import kernel_fwd as fa
+from flash_attention_tpu import api as fa
 from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
 
 HQ, HKV = 32, 8

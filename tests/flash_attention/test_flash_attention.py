@@ -30,7 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from flash_attention_tpu import schedule as bsched  # noqa: E402
 from flash_attention_tpu import checks, tiling  # noqa: E402
-from flash_attention_tpu import kernel_fwd as fa  # noqa: E402
+from flash_attention_tpu import api as fa  # noqa: E402
 from flash_attention_tpu import reference as ref  # noqa: E402
 from tolerances import ATTENTION_ROUNDINGS, assert_close, attention_magnitudes  # noqa: E402
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import torch
 
 from . import checks, reference
-from .kernel_fwd import flash_attention as _jax_flash_attention
-from .kernel_fwd import flash_attention_varlen as _jax_flash_attention_varlen
+from .api import flash_attention as _jax_flash_attention
+from .api import flash_attention_varlen as _jax_flash_attention_varlen
 from ._torch_bindings import OpLibrary, validate
 
 LIB = OpLibrary("flash_attention_tpu", Path(__file__).parent)

@@ -1,0 +1,224 @@
+"""Flash attention's backward Pallas kernels: dK/dV (kv-major walk) and dQ
+(q-major walk), from the forward's output and per-row logsumexp (no forward
+recomputation). Layout, schedule and masks as in kernel_fwd.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import schedule as bsched
+from .kernel_fwd import (
+    NN_DIMS,
+    NT_DIMS,
+    KernelParams,
+    _common_specs,
+    _compiler_params,
+    _decode,
+    _flag,
+    _flat_rows,
+    _k_side,
+    _keys,
+    _logits,
+    _meta_inputs,
+    _q_side,
+    _row_to_col,
+    _rows,
+    _run_pair,
+    _set_rows,
+    _visible,
+    _zero_tail_rows,
+)
+
+# ---------------------------------------------------------------------------
+# dK/dV kernel: kv-major schedule, logits transposed (keys on sublanes) so
+# the per-query logsumexp and delta are lane-major rows, as stored.
+
+
+def _dkdv_kernel(sched_ref, *refs, prm: KernelParams):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    refs = refs[6:]
+    qpos_ref = refs.pop(0) if prm.has_qpos else None
+    qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
+    dk_ref, dv_ref, dk_acc, dv_acc = refs
+
+    g = prm.geom
+    gb, br = prm.heads_in_block, g.block_pos
+    q_tail = g.q_rows_total % br != 0
+    j, i, flags = _decode(sched_ref, pl.program_id(2))
+
+    @pl.when(_flag(flags, bsched.INIT))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    def tile(masked, r0, rc, k0, ck):
+        n = gb * rc
+        q3 = _rows(q_ref, r0, rc)
+        do3 = _rows(do_ref, r0, rc)
+        lse = _flat_rows(_rows(lse_ref, r0, rc))
+        delta = _flat_rows(_rows(delta_ref, r0, rc))
+        if masked:
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, rc)
+            if q_tail:
+                row = i * br + r0 + lax.broadcasted_iota(jnp.int32, (gb, rc, 1), 1)
+                valid3 = row < g.q_rows_total
+                q3 = _zero_tail_rows(q3, valid3)
+                do3 = _zero_tail_rows(do3, valid3)
+                lse = jnp.where(qvalid, lse, 0.0)
+                delta = jnp.where(qvalid, delta, 0.0)
+        q = q3.reshape(n, prm.head_dim)
+        do = do3.reshape(n, prm.head_dim_v)
+        k = _keys(k_ref, k0, ck)
+        v = _keys(v_ref, k0, ck)
+        s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
+        p = jnp.exp(s - lse)
+        if masked:
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
+            p = jnp.where(mask, p, 0.0)
+        dv = lax.dot_general(p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        dk = lax.dot_general(ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32)
+        if ck == g.block_kv:
+            dv_acc[...] += dv
+            dk_acc[...] += dk
+        else:
+            dv_acc[pl.ds(k0, ck), :] += dv
+            dk_acc[pl.ds(k0, ck), :] += dk
+
+    _run_pair(prm, i, j, flags, tile)
+
+    @pl.when(_flag(flags, bsched.FINAL))
+    def _final():
+        dk_ref[...] = (dk_acc[...] * prm.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# dQ kernel: q-major schedule like the forward.
+
+
+def _dq_kernel(sched_ref, *refs, prm: KernelParams):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    refs = refs[6:]
+    qpos_ref = refs.pop(0) if prm.has_qpos else None
+    qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
+    dq_ref, dq_acc = refs  # dq_acc: (Gb, br, D)
+
+    g = prm.geom
+    gb = prm.heads_in_block
+    kv_tail = g.kv_len % g.block_kv != 0
+    i, j, flags = _decode(sched_ref, pl.program_id(2))
+
+    @pl.when(_flag(flags, bsched.INIT))
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    def tile(masked, r0, rc, k0, ck):
+        n = gb * rc
+        q = _rows(q_ref, r0, rc).reshape(n, prm.head_dim)
+        do = _rows(do_ref, r0, rc).reshape(n, prm.head_dim_v)
+        lse = _row_to_col(_flat_rows(_rows(lse_ref, r0, rc)))
+        delta = _row_to_col(_flat_rows(_rows(delta_ref, r0, rc)))
+        k = _keys(k_ref, k0, ck)
+        v = _keys(v_ref, k0, ck)
+        if masked:
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, False, k0, ck)
+            if kv_tail:
+                kvalid_col = _row_to_col(kvalid.astype(jnp.int32)) != 0
+                k = _zero_tail_rows(k, kvalid_col)
+                v = _zero_tail_rows(v, kvalid_col)
+        s, t = _logits(prm, lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32))
+        p = jnp.exp(s - lse)
+        if masked:
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, True, r0, rc)
+            mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
+            p = jnp.where(mask, p, 0.0)
+        dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        dq = lax.dot_general(ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32)
+        _set_rows(dq_acc, r0, rc, _rows(dq_acc, r0, rc) + dq.reshape(gb, rc, prm.head_dim))
+
+    _run_pair(prm, i, j, flags, tile)
+
+    @pl.when(_flag(flags, bsched.FINAL))
+    def _final():
+        dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)
+
+
+def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
+    """Operands and BlockSpecs shared by the dK/dV and dQ kernels (they differ in walk order)."""
+    q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec = _common_specs(prm, outer_is_q, batch_meta)
+    args = [q5, k, v, do5, lse, delta]
+    specs = [
+        q_spec(prm.head_dim),
+        kv_spec(prm.head_dim),
+        kv_spec(prm.head_dim_v),
+        q_spec(prm.head_dim_v),
+        row_spec,
+        row_spec,
+    ]
+    margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
+    return args + margs, specs + mspecs, q_spec, kv_spec
+
+
+def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
+    b, hkv = k.shape[0], k.shape[1]
+    g = prm.geom
+    args, specs, _, kv_spec = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, False, batch_meta)
+    out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    out_specs = (kv_spec(prm.head_dim), kv_spec(prm.head_dim_v))
+    scratch = [
+        pltpu.VMEM((g.block_kv, prm.head_dim), jnp.float32),
+        pltpu.VMEM((g.block_kv, prm.head_dim_v), jnp.float32),
+    ]
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, prm=prm),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, hkv, sched.shape[0]),
+            in_specs=specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=_compiler_params(prm),
+        interpret=interpret,
+        name="flash_attention_dkdv",
+    )(sched, *args)
+
+
+def dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
+    b, hkv = k.shape[0], k.shape[1]
+    g = prm.geom
+    args, specs, q_spec, _ = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, True, batch_meta)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, prm=prm),
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, hkv, sched.shape[0]),
+            in_specs=specs,
+            out_specs=q_spec(prm.head_dim),
+            scratch_shapes=[
+                pltpu.VMEM((prm.heads_in_block, g.block_pos, prm.head_dim), jnp.float32)
+            ],
+        ),
+        compiler_params=_compiler_params(prm),
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(sched, *args)
