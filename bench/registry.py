@@ -7,9 +7,9 @@ for the caches. It raises `Skip(reason)` when the implementation is not
 available (module not importable yet, tokamax not installed, ...); the sweep
 records the reason instead of failing.
 
-Our own kernels are looked up by a documented function name. If the kernel
-package settles on a different signature, adapt the one call marked
-`# ADAPT` in the builder.
+Our own kernels are reached through the package contract (README, "Layout"):
+`<package>.api.<entry>`, every entry taking `config=None | generation name |
+Config`, so each builder names the entry and passes the generation as config.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import inspect
 import math
 from typing import Callable
 
@@ -89,18 +88,10 @@ def _import_attr(module: str, name: str):
     return getattr(mod, name)
 
 
-def _with_generation(fn: Callable, generation: str) -> Callable:
-    """Passes the generation when the kernel takes it (its tiling table needs
-    it): as generation=, or as config= (ragged_dot_tpu accepts a name there)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn
-    if "generation" in params:
-        return functools.partial(fn, generation=generation)
-    if "config" in params:  # ragged_dot_tpu: config=None | generation name | config
-        return functools.partial(fn, config=generation)
-    return fn
+def _contract_entry(package: str, entry: str, generation: str, **fixed) -> Callable:
+    """`<package>.api.<entry>` with the generation as its `config` (the package
+    contract: every JAX entry takes config=None | generation name | Config)."""
+    return functools.partial(_import_attr(f"{package}.api", entry), config=generation, **fixed)
 
 
 # --------------------------------------------------------------------------
@@ -110,22 +101,17 @@ def _with_generation(fn: Callable, generation: str) -> Callable:
 
 
 def _ours_moe(point, generation, ctx) -> Built:
-    op = _with_generation(_import_attr("ragged_dot_tpu.moe", "moe_experts"), generation)
+    op = _contract_entry("ragged_dot_tpu", "moe_experts", generation, is_transposed=True)
 
     def fn(x, w_gate_up, w_down, ids, weights):
-        # ADAPT: moe_experts signature. Our weights are [E, in, out].
-        return op(
-            x, ids, weights, w_gate_up, w_down, num_experts=w_gate_up.shape[0], is_transposed=True
-        )
+        # The bench's MoE arguments in moe_experts' order; its weights are [E, in, out].
+        return op(x, ids, weights, w_gate_up, w_down, num_experts=w_gate_up.shape[0])
 
     return Built(fn, ("ours_moe_experts", generation), glue_key=("ours_moe_experts",))
 
 
 def _ours_ragged_dot(point, generation, ctx) -> Built:
-    op = _with_generation(_import_attr("ragged_dot_tpu.api", "ragged_dot"), generation)
-
-    def gmm(lhs, rhs, sizes):
-        return op(lhs, rhs, sizes)  # ADAPT: ragged_dot(lhs, rhs, group_sizes)
+    gmm = _contract_entry("ragged_dot_tpu", "ragged_dot", generation)
 
     def fn(x, w_gate_up, w_down, ids, weights):
         return moe.experts_layer(gmm, x, w_gate_up, w_down, ids, weights)
@@ -367,7 +353,7 @@ register(
     Impl(
         "ours_moe_experts",
         "moe",
-        "ragged_dot_tpu.moe.moe_experts (fused experts op, this library)",
+        "ragged_dot_tpu.api.moe_experts (fused experts op, this library)",
         _ours_moe,
         ours=True,
     )
@@ -437,11 +423,7 @@ register(
 
 
 def _ours_rmsnorm(point, generation, ctx) -> Built:
-    rms_norm = _import_attr("rmsnorm_tpu.kernel", "rms_norm")
-
-    def fn(x, w):
-        return rms_norm(x, w, 1e-6, False, False, generation)  # ADAPT
-
+    fn = _contract_entry("rmsnorm_tpu", "rms_norm", generation, eps=1e-6)
     return Built(fn, ("ours_rmsnorm", generation), glue_key=("ours_rmsnorm",))
 
 
@@ -454,7 +436,7 @@ def _xla_rmsnorm(point, generation, ctx) -> Built:
     return Built(fn, ("xla_rmsnorm",))
 
 
-register(Impl("ours_rmsnorm", "rmsnorm", "rmsnorm_tpu.kernel.rms_norm", _ours_rmsnorm, ours=True))
+register(Impl("ours_rmsnorm", "rmsnorm", "rmsnorm_tpu.api.rms_norm", _ours_rmsnorm, ours=True))
 register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsnorm, baseline=True))
 
 
@@ -464,13 +446,7 @@ register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsn
 
 
 def _ours_attention(point, generation, ctx) -> Built:
-    op = _with_generation(
-        _import_attr("flash_attention_tpu.api", "flash_attention"), generation
-    )
-
-    def fn(q, k, v):
-        return op(q, k, v, causal=True)  # ADAPT
-
+    fn = _contract_entry("flash_attention_tpu", "flash_attention", generation, causal=True)
     return Built(fn, ("ours_flash_attention", generation), glue_key=("ours_flash_attention",))
 
 

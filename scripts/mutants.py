@@ -51,7 +51,7 @@ class Mutant:
 
 
 RMS = "kernels/rmsnorm/rmsnorm_tpu/kernel.py"
-RMS_OPS = "kernels/rmsnorm/rmsnorm_tpu/ops.py"
+RMS_API = "kernels/rmsnorm/rmsnorm_tpu/api.py"
 GMM = "kernels/ragged_dot/ragged_dot_tpu/kernel_gmm.py"
 TGMM = "kernels/ragged_dot/ragged_dot_tpu/kernel_tgmm.py"
 RD = "kernels/ragged_dot/ragged_dot_tpu/api.py"
@@ -130,9 +130,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "rms-op-residual-grad",
-        RMS_OPS,
-        "return dx, dx, dw, None, None",
-        "return dx, None, dw, None, None",
+        RMS_API,
+        "return dx, dx, dw",
+        "return dx, None, dw",
         (f"{T_RMS_OP}::test_fused_add_grads_flow_to_both_inputs",),
         "binding: no gradient to the residual input",
     ),
@@ -392,16 +392,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rd-op-offset",
         RD_OPS,
-        "        group_sizes,\n        group_offset=group_offset,\n        preferred_element_type=_OUT_DTYPES",
-        "        group_sizes,\n        group_offset=0,\n        preferred_element_type=_OUT_DTYPES",
+        "offset = jnp.asarray(group_offset, jnp.int32)\n    return api.ragged_dot_fwd(",
+        "offset = jnp.asarray(0, jnp.int32)\n    return api.ragged_dot_fwd(",
         (f"{T_RD_OP}::test_group_offset_shards_sum_to_full_result",),
         "binding: ragged_dot op drops group_offset",
     ),
     Mutant(
         "fa-op-scale",
         FA_OPS,
-        "return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)",
-        "return 1.0 / math.sqrt(head_dim)",
+        "scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)",
+        "scale = 1.0 / math.sqrt(head_dim)",
         (f"{T_FA_OP}::test_attention_forward_padding_masks_and_sinks[none]",),
         "binding: softmax_scale ignored",
     ),

@@ -6,6 +6,7 @@ import torch
 from jax.experimental import pallas as pl
 
 from torch_bindings import OpLibrary, cpu_impl, op_namespace, source_hash
+from torch_bindings.vjp import split_vjp
 
 
 def _scale_shift_kernel(x_ref, w_ref, o_ref):
@@ -40,6 +41,9 @@ def scale_shift_ref(x, w, b, alpha: float):
     return y if b is None else y + b
 
 
+_fwd, _bwd = split_vjp(scale_shift, diff=(0, 1, 2))
+
+
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     pkg = tmp_path_factory.mktemp("toy_pkg")
@@ -48,7 +52,12 @@ def lib(tmp_path_factory):
     lib.scale_shift = lib.define_differentiable(
         "scale_shift",
         "(Tensor x, Tensor w, Tensor? b, float alpha) -> Tensor",
-        kernel=scale_shift,
+        forward=lambda x, w, b, alpha, *, interpret: _fwd(
+            x, w, b, alpha=alpha, interpret=interpret
+        ),
+        backward=lambda args, out, res, ct, *, interpret: _bwd(
+            args[:3], out, res, ct, alpha=args[3], interpret=interpret
+        ),
         reference=scale_shift_ref,
         differentiable=("x", "w", "b"),
     )

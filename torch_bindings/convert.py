@@ -31,8 +31,10 @@ def to_jax(t: torch.Tensor):
 
 
 def to_torch(a):
-    """JAX output(s) as torch tensor(s) sharing memory; tuples stay tuples."""
-    if isinstance(a, (tuple, list)):
+    """JAX output(s) as torch tensor(s) sharing memory; tuples stay tuples, lists lists."""
+    if isinstance(a, list):
+        return [to_torch(x) for x in a]
+    if isinstance(a, tuple):
         return tuple(to_torch(x) for x in a)
     if a is None:
         return None
@@ -48,3 +50,47 @@ TORCH_TO_JAX_DTYPE = {
     torch.bool: jnp.bool_,
 }
 JAX_TO_TORCH_DTYPE = {jnp.dtype(v): k for k, v in TORCH_TO_JAX_DTYPE.items()}
+
+
+def jax_dtype(dtype: torch.dtype):
+    """The JAX/NumPy dtype of a torch dtype (by name for those JAX does not compute in)."""
+    known = TORCH_TO_JAX_DTYPE.get(dtype)
+    return jnp.dtype(known if known is not None else str(dtype).removeprefix("torch."))
+
+
+class TensorSpec:
+    """A torch tensor's shape and dtype, read the way JAX-side checks read arrays.
+
+    Converting it to NumPy raises: checks take that as "values unknown" (as for
+    a tracer) and check shapes and dtypes only.
+    """
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        return cls(t.shape, jax_dtype(t.dtype))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("shape-only spec")
+
+    def __repr__(self):
+        return f"TensorSpec({self.shape}, {self.dtype})"
+
+
+def spec_key(t: torch.Tensor):
+    return (tuple(t.shape), t.dtype)
+
+
+def shape_dtype_struct(t: torch.Tensor):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(t.shape), TORCH_TO_JAX_DTYPE[t.dtype])

@@ -53,7 +53,7 @@ if os.environ.get("COMPILE_GATE") == "subset":
 
 
 def _fn(generation, mask, kind):
-    kw = dict(causal=True, generation=generation)
+    kw = dict(causal=True, config=generation)
     if mask == "window":
         kw["window_size"] = WINDOW
 
@@ -105,7 +105,7 @@ def test_mla_style_head_dims_compile():
     ]
 
     def loss(q, k, v, s):
-        o = fa.flash_attention(q, k, v, causal=True, sinks=s, softcap=30.0, generation="v6e")
+        o = fa.flash_attention(q, k, v, causal=True, sinks=s, softcap=30.0, config="v6e")
         return jnp.sum(o.astype(jnp.float32))
 
     assert_compiles(jax.grad(loss, argnums=(0, 1, 2, 3)), args, "v6e")
@@ -122,7 +122,7 @@ def test_varlen_compiles():
     ]
 
     def loss(q, k, v, cq, ck):
-        o = fa.flash_attention_varlen(q, k, v, cq, ck, 4096, 4096, causal=True, generation="tpu7x")
+        o = fa.flash_attention_varlen(q, k, v, cq, ck, 4096, 4096, causal=True, config="tpu7x")
         return jnp.sum(o.astype(jnp.float32))
 
     assert_compiles(jax.grad(loss, argnums=(0, 1, 2)), args, "tpu7x")

@@ -161,7 +161,7 @@ def _dense_case(
 
     def kern(q, k, v, s):
         return fa.flash_attention(
-            q, k, v, sinks=s, block_sizes=block_sizes, interpret=True, return_lse=True, **kw
+            q, k, v, sinks=s, config=block_sizes, interpret=True, return_lse=True, **kw
         )
 
     def refn(q, k, v, s):
@@ -431,7 +431,7 @@ def _varlen_case(
             max(lq),
             max(lk),
             sinks=s,
-            block_sizes=block_sizes,
+            config=block_sizes,
             interpret=True,
             return_lse=True,
             **kw,
@@ -516,7 +516,7 @@ def test_varlen_jit_traced_cu_seqlens():
     v = jax.random.normal(jax.random.PRNGKey(3), (150, 1, 64), jnp.float32)
     f = jax.jit(
         lambda q, k, v, cq, ck: fa.flash_attention_varlen(
-            q, k, v, cq, ck, 87, 130, causal=True, block_sizes=SMALL, interpret=True
+            q, k, v, cq, ck, 87, 130, causal=True, config=SMALL, interpret=True
         )
     )
     out = f(q, k, v, cq, ck)

@@ -416,19 +416,23 @@ BAD_DENSE = [
     (
         lambda: (_qkv(dtype=torch.float64), {}),
         ValueError,
-        r"q: expected dtype in \(float32, bfloat16, float16\)",
+        r"q: expected dtype bfloat16, float16 or float32, got float64",
     ),
     (
         lambda: ((_qkv()[0], *_qkv(dtype=torch.bfloat16)[1:]), {}),
         ValueError,
-        r"k: expected dtype torch.float32 \(same as q\)",
+        r"q, k, v: expected one dtype, got q float32, k bfloat16, v bfloat16",
     ),
     (
         lambda: ((_qkv()[0], _qkv()[1].to("meta"), _qkv()[2]), {}),
         ValueError,
         r"k: expected a tensor on cpu \(same device as q\)",
     ),
-    (lambda: ((_qkv()[0][0], *_qkv()[1:]), {}), ValueError, r"q: expected 4 dimensions"),
+    (
+        lambda: ((_qkv()[0][0], *_qkv()[1:]), {}),
+        ValueError,
+        r"q: expected a rank-4 array \[batch, heads, seq, head_dim\], got shape \(5, 4, 64\)",
+    ),
     (lambda: (_qkv(), {"s_aux": torch.zeros(3)}), ValueError, r"sinks: expected shape \(4,\)"),
     (lambda: (_qkv(), {"window_size": (-2, 0)}), ValueError, r"window_size: expected values >= -1"),
     (lambda: (_qkv(), {"dropout_p": 0.1}), NotImplementedError, r"dropout_p"),
@@ -457,7 +461,7 @@ def test_bad_varlen_inputs_raise_clear_errors():
         ValueError, match=r"cu_seqlens_k: expected nondecreasing offsets from 0 to 6"
     ):
         fa.flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 2, 5], dtype=torch.int32), 4, 4)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected dtype in \(int32, int64\)"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: expected an integer dtype, got float32"):
         fa.flash_attn_varlen_func(q, k, v, cu.float(), cu, 4, 4)
     with pytest.raises(
         ValueError, match=r"max_seqlen_k: expected at least the longest sequence \(4 tokens"
@@ -465,7 +469,10 @@ def test_bad_varlen_inputs_raise_clear_errors():
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 3)
     with pytest.raises(ValueError, match=r"cu_seqlens_k: expected a tensor on cpu"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu.to("meta"), 4, 4)
-    with pytest.raises(ValueError, match=r"q: expected 3 dimensions"):
+    with pytest.raises(
+        ValueError,
+        match=r"q: expected a rank-3 array \[total, heads, head_dim\], got shape \(1, 6, 4, 64\)",
+    ):
         fa.flash_attn_varlen_func(q[None], k, v, cu, cu, 4, 4)
     with pytest.raises(NotImplementedError, match=r"dropout_p"):
         fa.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, dropout_p=0.5)
@@ -515,9 +522,17 @@ def test_torch_ops_lower_through_torch_tpu_jax_op_on_meta():
     statics = ("bhsd", True, -1, -1, 0.0, 1.0 / math.sqrt(d))
     out = meta_call(ops._flash_attention, q, k, k, None, None, None, *statics)
     assert out.shape == q.shape and out.device.type == "meta"
+    # The autograd path: the forward op also returns its residual, the f32
+    # logsumexp in the kernels' layout [B, Hkv, G, S]; the backward op starts
+    # from the inputs, the output and that residual.
     sinks = torch.empty(hq, dtype=torch.float32)
+    op = ops._flash_attention
+    out, residuals = meta_call(op.forward, q, k, k, sinks, None, None, *statics)
+    assert [(tuple(r.shape), r.dtype) for r in residuals] == [
+        ((b, hkv, hq // hkv, s), torch.float32)
+    ]
     dq, dk, dv, dsinks = meta_call(
-        ops._flash_attention.backward_op, q, q, k, k, sinks, None, None, *statics
+        op.backward, q, k, k, sinks, None, None, *statics, out, residuals, out, False
     )
     assert (
         dq.shape == q.shape

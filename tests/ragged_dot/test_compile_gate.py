@@ -22,7 +22,7 @@ import pytest
 
 from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
 from ragged_dot_tpu.kernel_gmm import gmm
-from ragged_dot_tpu.moe import moe_experts
+from ragged_dot_tpu.api import moe_experts
 from ragged_dot_tpu.kernel_tgmm import tgmm
 
 # name: (experts, top_k, hidden, intermediate)

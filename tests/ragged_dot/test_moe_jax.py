@@ -18,7 +18,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
 
-from ragged_dot_tpu.moe import moe_experts
+from ragged_dot_tpu.api import moe_experts
 from ragged_dot_tpu.reference import tolerance
 from tolerances import assert_close
 
@@ -301,7 +301,7 @@ def test_bad_layout_raises_value_error():
 
 def test_reference_matches_transformers_and_kernel():
     """moe_experts_reference (the torch layer's reference path) agrees with both."""
-    from ragged_dot_tpu.moe import moe_experts_reference
+    from ragged_dot_tpu.reference import moe_experts_reference
 
     layout = LAYOUTS[1]
     e, h, i, t, k = 6, 64, 40, 13, 2

@@ -109,7 +109,7 @@ def test_torch_compile_fullgraph():
 
 BAD = [
     (lambda l, r, g: (l, r, g[:1]), r"group_sizes: expected length >= rhs.shape\[0\] = 2"),
-    (lambda l, r, g: (l, r, g.float()), r"group_sizes: expected dtype in \(int32, int64\)"),
+    (lambda l, r, g: (l, r, g.float()), r"group_sizes: expected dtype int32, got float32"),
     (
         lambda l, r, g: (l, r, torch.tensor([-1, 3], dtype=torch.int32)),
         r"group_sizes: expected non-negative",
@@ -118,11 +118,20 @@ BAD = [
         lambda l, r, g: (l, r, torch.tensor([5, 9], dtype=torch.int32)),
         r"group_sizes: expected sum\(group_sizes\) <= lhs.shape\[0\] = 8",
     ),
-    (lambda l, r, g: (l, r[:, :5], g), r"rhs: expected \[G, K, N\] with K=16"),
-    (lambda l, r, g: (l, r.bfloat16(), g), r"rhs: expected dtype torch.float32 \(same as lhs\)"),
-    (lambda l, r, g: (l.half(), r.half(), g), r"lhs: expected dtype in \(bfloat16, float32\)"),
+    (
+        lambda l, r, g: (l, r[:, :5], g),
+        r"rhs: expected shape \[G, K=16, N\] to match lhs \[M, K\], got \(2, 5, 4\)",
+    ),
+    (
+        lambda l, r, g: (l, r.bfloat16(), g),
+        r"rhs.dtype: expected the dtype of lhs \(float32\), got bfloat16",
+    ),
+    (
+        lambda l, r, g: (l.half(), r.half(), g),
+        r"lhs.dtype: expected bfloat16 or float32, got float16",
+    ),
     (lambda l, r, g: (l, r.to("meta"), g), r"rhs: expected a tensor on cpu \(same device as lhs\)"),
-    (lambda l, r, g: (l[0], r, g), r"lhs: expected 2 dimensions"),
+    (lambda l, r, g: (l[0], r, g), r"lhs: expected a 2-D array \[M, K\], got shape \(16,\)"),
 ]
 
 

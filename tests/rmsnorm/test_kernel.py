@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from rmsnorm_tpu import kernel, reference, tiling
+from rmsnorm_tpu import api, kernel, reference, tiling
 from tolerances import assert_close
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -158,7 +158,7 @@ def test_default_blocks_span_several_row_blocks():
     cfg = tiling.choose_config(rows, hidden, (4, 4, 4), "v6e")
     assert -(-rows // cfg.block_rows) >= 2
     x, w, _, dy = _inputs((rows,), hidden, jnp.float32, 3)
-    dx, dw = kernel.rms_norm_bwd(dy, None, x, w, eps=eps, interpret=True, generation="v6e")
+    dx, dw = kernel.rms_norm_bwd(dy, None, x, w, eps=eps, interpret=True, config="v6e")
     _check_backward(dx, dw, dy, None, x, w, eps, False)
 
 
@@ -166,7 +166,7 @@ def test_custom_vjp_gradients_match_autodiff_of_reference():
     x, w, r, _ = _inputs((3, 10), 200, jnp.float32, 0, with_residual=True)
 
     def loss_kernel(x, r, w):
-        y, s = kernel.fused_add_rms_norm(x, r, w, 1e-6, True, True)
+        y, s = api.fused_add_rms_norm(x, r, w, eps=1e-6, gemma=True, interpret=True)
         return jnp.sum(y * y) + jnp.sum(jnp.sin(s))
 
     def loss_ref(x, r, w):
@@ -178,9 +178,9 @@ def test_custom_vjp_gradients_match_autodiff_of_reference():
     for g, e in zip(got, want):
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-4)
 
-    g_plain = jax.grad(lambda x, w: jnp.sum(kernel.rms_norm(x, w, 1e-6, False, True) ** 3), (0, 1))(
-        x, w
-    )
+    g_plain = jax.grad(
+        lambda x, w: jnp.sum(api.rms_norm(x, w, eps=1e-6, interpret=True) ** 3), (0, 1)
+    )(x, w)
     e_plain = jax.grad(lambda x, w: jnp.sum(reference.rms_norm_ref(x, w, 1e-6) ** 3), (0, 1))(x, w)
     for g, e in zip(g_plain, e_plain):
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-4)

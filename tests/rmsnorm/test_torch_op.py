@@ -110,9 +110,18 @@ def test_mixed_weight_dtype_keeps_x_dtype():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: (torch.randn(4, 8), torch.randn(9)), r"weight: expected shape \[8\]"),
-        (lambda: (torch.randn(4, 8).int(), torch.randn(8)), r"x: expected dtype in"),
-        (lambda: (torch.randn(4, 8), torch.randn(8).long()), r"weight: expected dtype in"),
+        (
+            lambda: (torch.randn(4, 8), torch.randn(9)),
+            r"weight: expected shape \(8,\) \(x's hidden size\), got \(9,\)",
+        ),
+        (
+            lambda: (torch.randn(4, 8).int(), torch.randn(8)),
+            r"x: expected dtype float32, bfloat16 or float16, got int32",
+        ),
+        (
+            lambda: (torch.randn(4, 8), torch.randn(8).long()),
+            r"weight: expected dtype float32, bfloat16 or float16, got int64",
+        ),
         (lambda: ([1.0, 2.0], torch.randn(2)), r"x: expected a torch.Tensor"),
         (lambda: (torch.randn(4, 0), torch.randn(0)), r"x: expected a non-empty last"),
         (
@@ -129,9 +138,9 @@ def test_bad_inputs_raise_clear_errors(make, match):
 
 def test_bad_residual_raises():
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match=r"residual: expected shape \[4, 8\]"):
+    with pytest.raises(ValueError, match=r"residual: expected x's shape \(4, 8\), got \(4, 9\)"):
         rmsnorm_tpu.fused_add_rms_norm(x, torch.randn(4, 9), torch.randn(8))
-    with pytest.raises(ValueError, match=r"residual: expected dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"residual: expected x's dtype float32, got float16"):
         rmsnorm_tpu.fused_add_rms_norm(x, x.half(), torch.randn(8))
 
 

@@ -1,4 +1,10 @@
-"""Input validation for every flash attention entry point (one place)."""
+"""Input validation for every flash attention entry point, in one place.
+
+Shape and dtype rules read only `.shape` and `.dtype`, so they run on JAX
+arrays, tracers and the torch ops' tensor specs alike (the ops call
+check_inputs before they dispatch). Value rules (cu_seqlens offsets,
+max_seqlen) run when the offsets are concrete: check_varlen_values.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +59,37 @@ def window(window_size):
             f"window_size: expected values >= -1 (-1 = unbounded), got {(left, right)}"
         )
     return left, right
+
+
+def problem(q, k, v, *, varlen=False, window_size=None) -> Problem:
+    """The shape facts of a call whose arguments passed check_inputs (no checks)."""
+    left, right = window(window_size)
+    if varlen:
+        (tq, hq, d), (tk, hkv, _), (_, _, dv) = q.shape, k.shape, v.shape
+        return Problem(1, hq, hkv, tq, tk, d, dv, left, right)
+    (b, hq, sq, d), (_, hkv, skv, _), dv = q.shape, k.shape, v.shape[-1]
+    return Problem(b, hq, hkv, sq, skv, d, dv, left, right)
+
+
+def scalars(softcap, softmax_scale):
+    """(softcap, softmax_scale) checked: softcap a float >= 0 (0 or None = off),
+    softmax_scale a float or None (1/sqrt(head_dim))."""
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap >= 0
+    ):
+        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    ):
+        raise ValueError(f"softmax_scale: expected a float, got {softmax_scale!r}")
+    return softcap, softmax_scale
+
+
+def static_len(name: str, m) -> int:
+    """A static sequence-length bound: an int >= 0."""
+    if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 0:
+        raise ValueError(f"{name}: expected a static int >= 0, got {m!r}")
+    return int(m)
 
 
 def _int_array(x, name, shape):
@@ -128,10 +165,7 @@ def check_inputs(
     if dv not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"v: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {dv}")
     left, right = window(window_size)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
-        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        raise ValueError(f"softmax_scale: expected a float, got {softmax_scale!r}")
+    scalars(softcap, softmax_scale)
     if sinks is not None:
         s = _shape(sinks, "sinks")
         if s != (hq,):
@@ -165,35 +199,36 @@ def check_inputs(
             ("max_seqlen_q", max_seqlen_q, sq),
             ("max_seqlen_k", max_seqlen_k, skv),
         ):
-            if not isinstance(m, (int, np.integer)) or m < 0:
-                raise ValueError(f"{name}: expected a static int >= 0, got {m!r}")
+            m = static_len(name, m)
             if m > total and total > 0:
                 raise ValueError(f"{name}: expected at most the {total} packed tokens, got {m}")
-        for name, cu, total in (
-            ("cu_seqlens_q", cu_seqlens_q, sq),
-            ("cu_seqlens_k", cu_seqlens_k, skv),
-        ):
-            try:
-                c = np.asarray(cu)  # only possible when concrete (not traced)
-            except Exception:  # noqa: BLE001 - traced: checked by shape only
-                continue
-            if c[0] != 0 or c[-1] != total or np.any(np.diff(c) < 0):
-                raise ValueError(
-                    f"{name}: expected nondecreasing offsets from 0 to {total}, got {c.tolist()}"
-                )
-    return Problem(b, hq, hkv, sq, skv, d, dv, left, right)
+        try:  # values only when concrete (not traced, not a torch op's spec)
+            cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+        except Exception:  # noqa: BLE001 - traced: checked by shape only
+            cu_q = None
+        if cu_q is not None:
+            check_varlen_values(cu_q, cu_k, sq, skv, max_seqlen_q, max_seqlen_k)
+    return problem(q, k, v, varlen=varlen, window_size=(left, right))
 
 
-def check_max_seqlen_values(
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int
+def check_varlen_values(
+    cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int
 ) -> None:
-    """Eager check of concrete offsets: max_seqlen bounds the kernel's block
-    schedule, so one smaller than the longest sequence would skip keys."""
-    for name, cu, m, mname in (
-        ("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q"),
-        ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k"),
+    """Concrete offsets (NumPy): nondecreasing from 0 to the packed total, and
+    max_seqlen at least the longest sequence (it bounds the kernel's block
+    schedule, so a smaller one would skip keys)."""
+    for name, cu, total, m, mname in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q"),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k"),
     ):
-        longest = int(np.max(np.diff(np.asarray(cu)))) if len(cu) > 1 else 0
+        c = np.asarray(cu)
+        if c.ndim != 1 or len(c) < 2:
+            continue  # a shape the shape rules report
+        if c[0] != 0 or c[-1] != total or np.any(np.diff(c) < 0):
+            raise ValueError(
+                f"{name}: expected nondecreasing offsets from 0 to {total}, got {c.tolist()}"
+            )
+        longest = int(np.max(np.diff(c)))
         if longest > m:
             raise ValueError(
                 f"{mname}: expected at least the longest sequence ({longest} tokens "

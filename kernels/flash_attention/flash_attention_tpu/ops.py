@@ -1,20 +1,19 @@
 """flash-attention-tpu as torch ops: dense (batched) and varlen (packed) attention.
 
-Both ops are differentiable (q, k, v and the optional sinks): their backward
-ops run jax.vjp of the same JAX function, i.e. the kernel's own custom_vjp
-(the dK/dV and dQ Pallas kernels, and the sink gradient).
+Both ops are differentiable (q, k, v and the optional sinks) through
+torch_bindings' one autograd path with api.py's rules: the forward op returns
+the per-row logsumexp as a residual, and the backward op runs the dK/dV and dQ
+kernels on it and the saved output; the forward kernel does not run again.
 
 The dense op takes q, k, v in either layout, "bhsd" ([B, H, S, D], the
 kernels' own, what transformers' attention interface hands over) or "bshd"
 ([B, S, H, D], flash-attn's): the transposes then happen inside the JAX
 program (one TPU program per call), not as torch copies in front of it.
 
-Argument checks: dtype/device/rank with torch_bindings.validate here, every
-shape rule in checks.py (called on shape specs), values of cu_seqlens in eager
-mode only (reading them is a device sync, and impossible while tracing).
-Under torch.compile, Dynamo cannot trace checks.py (JAX dtype objects), so
-the shape rules run when the kernel itself is traced (it calls checks.py
-again on its JAX arguments): the same ValueErrors, raised from inside the op.
+Argument checks: checks.py's, run by the ops on tensor specs before they
+dispatch (shapes and dtypes), and here on Python scalars and, in eager mode,
+on the values of cu_seqlens (reading them is a device sync, and impossible
+while tracing). The kernels' JAX functions do not check again.
 """
 
 from __future__ import annotations
@@ -26,22 +25,13 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import checks, reference
-from .api import flash_attention as _jax_flash_attention
-from .api import flash_attention_varlen as _jax_flash_attention_varlen
+from . import api, checks, reference
 from ._torch_bindings import OpLibrary, validate
+from ._torch_bindings.convert import TensorSpec
 
 LIB = OpLibrary("flash_attention_tpu", Path(__file__).parent)
 
 LAYOUTS = ("bhsd", "bshd")
-_INT_DTYPES = (torch.int32, torch.int64)
-_JAX_DTYPES = {
-    torch.float32: jnp.float32,
-    torch.bfloat16: jnp.bfloat16,
-    torch.float16: jnp.float16,
-    torch.int32: jnp.int32,
-    torch.int64: jnp.int32,
-}
 # max_seqlen_k only bounds the length of the varlen block schedule, so it is
 # rounded up to this multiple: calls whose longest sequence differs a little
 # share one compiled program (a few more placeholder steps, no recompile).
@@ -59,36 +49,64 @@ def _softcap(softcap: float):
 # -- dense ---------------------------------------------------------------------
 
 
-def _dense_kernel(
-    q,
-    k,
-    v,
-    sinks,
-    q_segment_ids,
-    kv_segment_ids,
-    layout,
-    causal,
-    window_left,
-    window_right,
-    softcap,
-    softmax_scale,
-    *,
-    interpret,
-):
-    out = _jax_flash_attention(
+def _dense_statics(args, interpret):
+    _, causal, left, right, softcap, softmax_scale = args[6:]
+    return dict(
+        causal=causal,
+        window_size=(left, right),
+        softcap=_softcap(softcap),
+        softmax_scale=softmax_scale,
+        config=None,
+        interpret=interpret,
+    )
+
+
+def _dense_forward(*args, interpret):
+    q, k, v, sinks, q_segment_ids, kv_segment_ids, layout = args[:7]
+    out, residuals = api.flash_attention_fwd(
         _to_bhsd(q, layout),
         _to_bhsd(k, layout),
         _to_bhsd(v, layout),
-        causal=causal,
-        window_size=(window_left, window_right),
-        softcap=_softcap(softcap),
+        sinks,
+        q_segment_ids,
+        kv_segment_ids,
+        **_dense_statics(args, interpret),
+    )
+    return _to_bhsd(out, layout), residuals
+
+
+def _dense_backward(args, out, residuals, dout, *, interpret):
+    q, k, v, sinks, q_segment_ids, kv_segment_ids, layout = args[:7]
+    t = lambda x: _to_bhsd(x, layout)  # noqa: E731 - its own inverse
+    dq, dk, dv, dsinks, _, _ = api.flash_attention_bwd(
+        (t(q), t(k), t(v), sinks, q_segment_ids, kv_segment_ids),
+        t(out),
+        residuals,
+        t(dout),
+        **_dense_statics(args, interpret),
+    )
+    return t(dq), t(dk), t(dv), dsinks
+
+
+def _bhsd_spec(x, layout):
+    if layout == "bhsd" or len(x.shape) != 4:
+        return x
+    b, s, h, d = x.shape
+    return TensorSpec((b, h, s, d), x.dtype)
+
+
+def _dense_check(q, k, v, sinks, q_segment_ids, kv_segment_ids, layout, causal, left, right, *_):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    checks.check_inputs(
+        _bhsd_spec(q, layout),
+        _bhsd_spec(k, layout),
+        _bhsd_spec(v, layout),
         sinks=sinks,
-        softmax_scale=softmax_scale,
+        window_size=(left, right),
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
-        interpret=interpret,
     )
-    return _to_bhsd(out, layout)
 
 
 def _dense_reference(
@@ -124,46 +142,56 @@ _flash_attention = LIB.define_differentiable(
     "flash_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? q_segment_ids, Tensor? kv_segment_ids, "
     "str layout, bool causal, int window_left, int window_right, float softcap, float softmax_scale) -> Tensor",
-    kernel=_dense_kernel,
+    forward=_dense_forward,
+    backward=_dense_backward,
     reference=_dense_reference,
     differentiable=("q", "k", "v", "sinks"),
+    check=_dense_check,
 )
 
 
 # -- varlen --------------------------------------------------------------------
 
 
-def _varlen_kernel(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    sinks,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    window_left,
-    window_right,
-    softcap,
-    softmax_scale,
-    *,
-    interpret,
+def _varlen_statics(args, interpret):
+    max_seqlen_q, max_seqlen_k, causal, left, right, softcap, softmax_scale = args[6:]
+    return dict(
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        causal=causal,
+        window_size=(left, right),
+        softcap=_softcap(softcap),
+        softmax_scale=softmax_scale,
+        config=None,
+        interpret=interpret,
+    )
+
+
+def _varlen_forward(*args, interpret):
+    return api.flash_attention_varlen_fwd(*args[:6], **_varlen_statics(args, interpret))
+
+
+def _varlen_backward(args, out, residuals, dout, *, interpret):
+    dq, dk, dv, _, _, dsinks = api.flash_attention_varlen_bwd(
+        tuple(args[:6]), out, residuals, dout, **_varlen_statics(args, interpret)
+    )
+    return dq, dk, dv, dsinks
+
+
+def _varlen_check(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_q, max_k, causal, left, right, *_
 ):
-    return _jax_flash_attention_varlen(
+    checks.check_inputs(
         q,
         k,
         v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=causal,
-        window_size=(window_left, window_right),
-        softcap=_softcap(softcap),
+        varlen=True,
         sinks=sinks,
-        softmax_scale=softmax_scale,
-        interpret=interpret,
+        window_size=(left, right),
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
     )
 
 
@@ -233,42 +261,19 @@ _flash_attention_varlen = LIB.define_differentiable(
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? sinks, "
     "int max_seqlen_q, int max_seqlen_k, bool causal, int window_left, int window_right, "
     "float softcap, float softmax_scale) -> Tensor",
-    kernel=_varlen_kernel,
+    forward=_varlen_forward,
+    backward=_varlen_backward,
     reference=_varlen_reference,
     differentiable=("q", "k", "v", "sinks"),
+    check=_varlen_check,
 )
 
 
-# -- argument checks -----------------------------------------------------------
-
-
-class _Spec:
-    """Shape and dtype of a torch tensor, as checks.py reads arrays.
-
-    Converting it to numpy raises, which checks.py takes as "traced": value
-    checks are skipped, shape checks run.
-    """
-
-    def __init__(self, t: torch.Tensor, perm=None):
-        shape = tuple(t.shape)
-        self.shape = shape if perm is None else tuple(shape[i] for i in perm)
-        self.dtype = jnp.dtype(_JAX_DTYPES[t.dtype])
-
-    def __array__(self, *args, **kwargs):
-        raise TypeError("shape-only spec")
+# -- public op wrappers ----------------------------------------------------------
 
 
 def _readable(t: torch.Tensor) -> bool:
     return t.device.type != "meta" and not torch.compiler.is_compiling()
-
-
-def _check_common(q, k, v, sinks, rank, names):
-    for name, t in zip(names, (q, k, v)):
-        validate.check_tensor(name, t, ndim=rank, dtypes=validate.FLOAT_DTYPES)
-    validate.check_supported_device(names[0], q)
-    validate.check_same_dtype(**dict(zip(names, (q, k, v))))
-    if sinks is not None:
-        validate.check_tensor("s_aux", sinks, ndim=1, dtypes=validate.FLOAT_DTYPES)
 
 
 def _scalar(x):
@@ -276,11 +281,16 @@ def _scalar(x):
     return x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
 
 
-def _scale(softmax_scale, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+def _index_tensor(t):
+    # JAX runs without 64-bit integers: int64 indices travel as int32 (they fit).
+    return t.to(torch.int32) if t is not None and t.dtype == torch.int64 else t
 
 
-# -- public op wrappers ----------------------------------------------------------
+def _scalars(softcap, softmax_scale, head_dim: int) -> tuple[float, float]:
+    """softcap (0.0 = off) and softmax_scale (1/sqrt(head_dim) when None) as the ops take them."""
+    softcap, softmax_scale = checks.scalars(_scalar(softcap), _scalar(softmax_scale))
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    return float(softcap or 0.0), scale
 
 
 def flash_attention(
@@ -304,46 +314,30 @@ def flash_attention(
     a query sees only keys of its own segment id. Differentiable in q, k, v
     and sinks.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    names = ("q", "k", "v")
-    _check_common(q, k, v, sinks, 4, names)
-    for name, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
-        if seg is not None:
-            validate.check_tensor(name, seg, ndim=2, dtypes=_INT_DTYPES)
-    validate.check_same_device(
-        q=q, k=k, v=v, s_aux=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids
+    validate.check_tensors(
+        ("s_aux", "q_segment_ids", "kv_segment_ids"),
+        q=q,
+        k=k,
+        v=v,
+        s_aux=sinks,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
     )
-    perm = None if layout == "bhsd" else (0, 2, 1, 3)
     left, right = checks.window(window_size)
-    softcap, softmax_scale = _scalar(softcap), _scalar(softmax_scale)
-    if not torch.compiler.is_compiling():
-        checks.check_inputs(
-            _Spec(q, perm),
-            _Spec(k, perm),
-            _Spec(v, perm),
-            window_size=(left, right),
-            softcap=softcap,
-            softmax_scale=softmax_scale,
-            sinks=None if sinks is None else _Spec(sinks),
-            q_segment_ids=None if q_segment_ids is None else _Spec(q_segment_ids),
-            kv_segment_ids=None if kv_segment_ids is None else _Spec(kv_segment_ids),
-        )
-    seg_q = None if q_segment_ids is None else q_segment_ids.to(torch.int32)
-    seg_k = None if kv_segment_ids is None else kv_segment_ids.to(torch.int32)
+    softcap, scale = _scalars(softcap, softmax_scale, q.shape[-1] if q.dim() else 1)
     return _flash_attention(
         q,
         k,
         v,
         sinks,
-        seg_q,
-        seg_k,
+        _index_tensor(q_segment_ids),
+        _index_tensor(kv_segment_ids),
         layout,
         bool(causal),
         left,
         right,
-        float(softcap or 0.0),
-        _scale(softmax_scale, q.shape[-1]),
+        softcap,
+        scale,
     )
 
 
@@ -365,54 +359,34 @@ def flash_attention_varlen(
     """Packed attention: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv],
     cu_seqlens int32/int64 [num_seqs + 1] -> [Tq, Hq, Dv]. Differentiable in
     q, k, v and sinks."""
-    names = ("q", "k", "v")
-    _check_common(q, k, v, sinks, 3, names)
-    validate.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=_INT_DTYPES)
-    validate.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=_INT_DTYPES)
-    validate.check_same_device(
-        q=q, k=k, v=v, s_aux=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+    validate.check_tensors(
+        ("s_aux",),
+        q=q,
+        k=k,
+        v=v,
+        s_aux=sinks,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
     )
-    max_q, max_k = _scalar(max_seqlen_q), _scalar(max_seqlen_k)
+    max_q = checks.static_len("max_seqlen_q", _scalar(max_seqlen_q))
+    max_k = checks.static_len("max_seqlen_k", _scalar(max_seqlen_k))
     left, right = checks.window(window_size)
-    softcap, softmax_scale = _scalar(softcap), _scalar(softmax_scale)
-    # Eager host/TPU tensors: checks.py also checks the offsets' values.
-    readable = _readable(cu_seqlens_q) and _readable(cu_seqlens_k)
-    cu_q, cu_k = (
-        (cu_seqlens_q.detach().cpu().numpy(), cu_seqlens_k.detach().cpu().numpy())
-        if readable
-        else (_Spec(cu_seqlens_q), _Spec(cu_seqlens_k))
-    )
-    if not torch.compiler.is_compiling():
-        checks.check_inputs(
-            _Spec(q),
-            _Spec(k),
-            _Spec(v),
-            varlen=True,
-            window_size=(left, right),
-            softcap=softcap,
-            softmax_scale=softmax_scale,
-            sinks=None if sinks is None else _Spec(sinks),
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
+    softcap, scale = _scalars(softcap, softmax_scale, q.shape[-1] if q.dim() else 1)
+    cu_q, cu_k = _index_tensor(cu_seqlens_q), _index_tensor(cu_seqlens_k)
+    total_k = k.shape[0] if k.dim() else 0
+    bucket_k = min(total_k, -(-max_k // MAX_SEQLEN_BUCKET) * MAX_SEQLEN_BUCKET)
+    args = (q, k, v, cu_q, cu_k, sinks, max_q, max(max_k, bucket_k), bool(causal), left, right)
+    args += (softcap, scale)
+    if _readable(cu_q) and _readable(cu_k):
+        # Shapes first (the op would check them next; this is the same check,
+        # remembered), then the offsets' values, which the op cannot read.
+        _flash_attention_varlen.check_args(args)
+        checks.check_varlen_values(
+            cu_q.detach().cpu().numpy(),
+            cu_k.detach().cpu().numpy(),
+            q.shape[0],
+            k.shape[0],
+            max_q,
+            max_k,
         )
-    if readable:
-        checks.check_max_seqlen_values(cu_q, cu_k, max_q, max_k)
-    max_q, max_k = int(max_q), int(max_k)
-    bucket_k = min(k.shape[0], -(-max_k // MAX_SEQLEN_BUCKET) * MAX_SEQLEN_BUCKET)
-    return _flash_attention_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q.to(torch.int32),
-        cu_seqlens_k.to(torch.int32),
-        sinks,
-        max_q,
-        max(max_k, bucket_k),
-        bool(causal),
-        left,
-        right,
-        float(softcap or 0.0),
-        _scale(softmax_scale, q.shape[-1]),
-    )
+    return _flash_attention_varlen(*args)

@@ -1,4 +1,13 @@
-"""ragged-dot-tpu: grouped matmul (ragged dot) Pallas TPU kernels and a fused MoE experts layer for PyTorch."""
+"""ragged-dot-tpu: grouped matmul (ragged dot) Pallas TPU kernels and a fused MoE experts layer for PyTorch.
+
+Layout (the package contract, README "Layout"): kernel_gmm.py and
+kernel_tgmm.py the Pallas kernels; api.py the JAX API (`ragged_dot`,
+`moe_experts`) with their forward/backward rules; moe.py the MoE routing glue
+around the two grouped matmuls; tiling.py the configs and their choice;
+checks.py the argument rules; reference.py the pure-JAX reference
+(reference_torch.py a torch loop for the tests); ops.py the torch ops;
+layers.py transformers' `experts_forward`.
+"""
 
 from .layers import experts_forward
 from .ops import LIB as LIB, grouped_mm, ragged_dot

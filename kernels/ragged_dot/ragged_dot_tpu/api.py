@@ -1,7 +1,9 @@
-"""Differentiable ragged_dot on the Pallas kernels.
+"""ragged_dot's JAX API: `ragged_dot` and the fused MoE layer `moe_experts`, each
+differentiable through one autograd path (torch_bindings/vjp.py: a forward rule
+returning residuals, a backward rule starting from them) that the torch ops share.
 
-Forward is ``gmm``; the backward never materialises a transposed weight copy:
-d_lhs = gmm(grad, rhs, transpose_rhs=True) reads rhs [G, K, N] as [G, N', K']
+ragged_dot's forward is ``gmm``; the backward never materialises a transposed
+weight copy: d_lhs = gmm(grad, rhs, transpose_rhs=True) reads rhs [G, K, N] as [G, N', K']
 and contracts on N; d_rhs = tgmm(lhs, grad) produces [G_local, K, N] directly.
 Both use the same group_offset, so a shard's gradients only cover its groups
 (rows of other shards get d_lhs = 0: their forward rows did not depend on
@@ -13,12 +15,13 @@ from __future__ import annotations
 import functools
 
 import jax
+
 import jax.numpy as jnp
 
-from . import checks
-from . import tiling
+from . import checks, moe, tiling
 from .kernel_gmm import gmm
 from .kernel_tgmm import tgmm
+from ._torch_bindings.vjp import differentiable, split_vjp
 
 
 def _configs(config):
@@ -32,12 +35,12 @@ def _configs(config):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ragged_dot(
-    lhs, rhs, group_sizes, group_offset, transpose_rhs, preferred_element_type, config, interpret
+def ragged_dot_fwd(
+    lhs, rhs, group_sizes, group_offset, *, transpose_rhs, preferred_element_type, config, interpret
 ):
+    """Forward rule: (out, residuals). No residuals: the backward needs only the inputs."""
     fwd, _, _ = _configs(config)
-    return gmm(
+    out = gmm(
         lhs,
         rhs,
         group_sizes,
@@ -47,26 +50,14 @@ def _ragged_dot(
         config=fwd,
         interpret=interpret,
     )
+    return out, ()
 
 
-def _fwd(
-    lhs, rhs, group_sizes, group_offset, transpose_rhs, preferred_element_type, config, interpret
+def ragged_dot_bwd(
+    args, out, residuals, grad, *, transpose_rhs, preferred_element_type, config, interpret
 ):
-    out = _ragged_dot(
-        lhs,
-        rhs,
-        group_sizes,
-        group_offset,
-        transpose_rhs,
-        preferred_element_type,
-        config,
-        interpret,
-    )
-    return out, (lhs, rhs, group_sizes, group_offset)
-
-
-def _bwd(transpose_rhs, preferred_element_type, config, interpret, res, grad):
-    lhs, rhs, group_sizes, group_offset = res
+    """Backward rule: (d_lhs, d_rhs, None, None) from the inputs and the output cotangent."""
+    lhs, rhs, group_sizes, group_offset = args
     _, cfg_lhs, cfg_rhs = _configs(config)
     # rhs as [G, K, N]: d_lhs contracts grad with rhs on N (transposed read);
     # rhs as [G, N, K] (transpose_rhs): the same weights are already [G, N, K]
@@ -106,7 +97,7 @@ def _bwd(transpose_rhs, preferred_element_type, config, interpret, res, grad):
     return d_lhs, d_rhs, None, None
 
 
-_ragged_dot.defvjp(_fwd, _bwd)
+_ragged_dot = differentiable(ragged_dot_fwd, ragged_dot_bwd)
 
 
 def ragged_dot(
@@ -152,8 +143,166 @@ def ragged_dot(
         rhs,
         group_sizes,
         group_offset,
-        bool(transpose_rhs),
-        preferred_element_type,
-        config,
-        interpret,
+        transpose_rhs=bool(transpose_rhs),
+        preferred_element_type=preferred_element_type,
+        config=config,
+        interpret=interpret,
+    )
+
+
+# -- the fused MoE experts layer ------------------------------------------------
+
+
+def _moe_configs(config):
+    """(gate_up, down) config-or-generation of the two projections."""
+    if config is None or isinstance(config, str):
+        return config, config
+    if isinstance(config, tiling.MoeConfig):
+        return config.gate_up, config.down
+    raise ValueError(f"config: expected None, a generation name or a MoeConfig, got {config!r}")
+
+
+def _moe_program(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    gate_up_bias,
+    down_bias,
+    group_offset,
+    *,
+    num_experts,
+    has_gate,
+    is_transposed,
+    is_concatenated,
+    activation,
+    alpha,
+    limit,
+    config,
+    interpret,
+):
+    configs = dict(zip(("up", "down"), _moe_configs(config)))
+    zero = jnp.zeros((), jnp.int32)
+
+    def matmul(x, w, group_sizes, which):
+        return _ragged_dot(
+            x,
+            w,
+            group_sizes,
+            zero,
+            transpose_rhs=not is_transposed,
+            preferred_element_type=None,
+            config=configs[which],
+            interpret=interpret,
+        )
+
+    return moe.experts_program(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        matmul=matmul,
+        num_experts=num_experts,
+        has_gate=has_gate,
+        is_concatenated=is_concatenated,
+        activation=activation,
+        group_offset=group_offset,
+        alpha=alpha,
+        limit=limit,
+    )
+
+
+# Forward and backward rules of the whole layer: jax.vjp's residuals of the
+# program (routing, gathered rows, projections), the kernels' own backward
+# rules applied to them; top_k_index and group_offset get no gradient.
+moe_experts_fwd, moe_experts_bwd = split_vjp(_moe_program, diff=(0, 2, 3, 4, 5, 6))
+_moe_experts = differentiable(moe_experts_fwd, moe_experts_bwd)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "num_experts",
+        "has_gate",
+        "is_transposed",
+        "is_concatenated",
+        "activation",
+        "alpha",
+        "limit",
+        "config",
+        "interpret",
+    ),
+)
+def moe_experts(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    gate_up_bias=None,
+    down_bias=None,
+    *,
+    num_experts: int,
+    has_gate: bool = True,
+    is_transposed: bool = False,
+    is_concatenated: bool = True,
+    activation: str = "silu",
+    group_offset=0,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    config=None,
+    interpret=False,
+):
+    """Fused MoE experts: [T, H] hidden -> [T, H] in hidden.dtype.
+
+    Args:
+      hidden: [T, H]. top_k_index: [T, k] expert ids. top_k_weights: [T, k].
+      gate_up: [E, 2I, H] (or [E, H, 2I] if is_transposed); [E, I, H] / [E, H, I]
+        when has_gate is False (up_proj only).
+      down: [E, H, I] (or [E, I, H] if is_transposed).
+      gate_up_bias: [E, 2I] or None. down_bias: [E, H] or None.
+      num_experts: experts held here (E). group_offset: id of the first one;
+        ids outside [group_offset, group_offset + E) are ignored.
+      is_concatenated: gate/up halves ([gate; up]) vs interleaved (GPT-OSS).
+      activation: "silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2" or
+        "gpt_oss" (clamped GLU with alpha/limit).
+      config: None (detect the TPU generation), a generation name, or a
+        tiling.MoeConfig (one RaggedDotConfig per projection).
+      interpret: run the kernels in interpret mode.
+    """
+    checks.check_moe_args(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        num_experts,
+        has_gate,
+        is_transposed,
+        activation,
+    )
+    return _moe_experts(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        jnp.asarray(group_offset, jnp.int32),
+        num_experts=num_experts,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_concatenated,
+        activation=activation,
+        alpha=alpha,
+        limit=limit,
+        config=config,
+        interpret=interpret,
     )

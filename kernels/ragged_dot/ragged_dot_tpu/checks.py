@@ -1,8 +1,9 @@
 """Argument validation for ragged_dot, in one place.
 
-Shape and dtype checks run at trace time on static metadata, so they work on
-tracers. Value checks (negative sizes, sum > M) need concrete numbers and are
-for the eager torch layer: ``check_group_sizes_values``.
+Shape and dtype checks read only `.shape` and `.dtype`, so they run on JAX
+arrays, tracers and the torch ops' tensor specs alike (the ops call them before
+they dispatch). Value checks (negative sizes, sum > M) need concrete numbers
+and are for the eager torch layer: ``check_group_sizes_values``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import tiling
+from .moe import ACTIVATIONS
 
 _SUPPORTED = "bfloat16 or float32"
 
@@ -94,10 +96,8 @@ def check_ragged_dot_args(
 def check_group_sizes_values(group_sizes, m: int) -> None:
     """Eager check of concrete group sizes: non-negative and sum(sizes) <= m."""
     gs = np.asarray(group_sizes)
-    if gs.ndim != 1:
-        raise ValueError(f"group_sizes: expected a 1-D array, got shape {gs.shape}")
-    if not np.issubdtype(gs.dtype, np.integer):
-        raise ValueError(f"group_sizes: expected integers, got {gs.dtype}")
+    if gs.ndim != 1 or not np.issubdtype(gs.dtype, np.integer):
+        return  # check_ragged_dot_args reports the shape or dtype
     neg = np.flatnonzero(gs < 0)
     if neg.size:
         raise ValueError(
@@ -108,4 +108,78 @@ def check_group_sizes_values(group_sizes, m: int) -> None:
     if total > m:
         raise ValueError(
             f"group_sizes: expected sum(group_sizes) <= lhs.shape[0] = {m}, got {total}"
+        )
+
+
+def check_moe_args(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    gate_up_bias,
+    down_bias,
+    num_experts,
+    has_gate,
+    is_transposed,
+    activation,
+) -> None:
+    """The fused MoE layer's arguments (see api.moe_experts); ValueError naming the argument."""
+    if np.ndim(hidden) != 2:
+        raise ValueError(f"hidden: expected [T, H], got shape {tuple(hidden.shape)}")
+    check_dtype("hidden.dtype", hidden.dtype)
+    t, h = hidden.shape
+    if np.ndim(top_k_index) != 2 or top_k_index.shape[0] != t:
+        raise ValueError(f"top_k_index: expected [T={t}, k], got shape {tuple(top_k_index.shape)}")
+    if not jnp.issubdtype(top_k_index.dtype, jnp.integer):
+        raise ValueError(f"top_k_index: expected integers, got {top_k_index.dtype}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_weights: expected shape {tuple(top_k_index.shape)}, got"
+            f" {tuple(top_k_weights.shape)}"
+        )
+    if np.ndim(gate_up) != 3 or np.ndim(down) != 3:
+        raise ValueError(
+            f"gate_up/down: expected 3-D expert weights, got {tuple(gate_up.shape)}"
+            f" and {tuple(down.shape)}"
+        )
+    if gate_up.shape[0] != num_experts or down.shape[0] != num_experts:
+        raise ValueError(
+            f"gate_up/down: expected {num_experts} experts (num_experts), got"
+            f" {gate_up.shape[0]} and {down.shape[0]}"
+        )
+    up_in, up_out = gate_up.shape[1:] if is_transposed else gate_up.shape[:0:-1]
+    dn_in, dn_out = down.shape[1:] if is_transposed else down.shape[:0:-1]
+    if up_in != h:
+        raise ValueError(
+            f"gate_up: expected input dim H={h} (is_transposed={is_transposed}),"
+            f" got shape {tuple(gate_up.shape)}"
+        )
+    inter = up_out // 2 if has_gate else up_out
+    if has_gate and up_out % 2:
+        raise ValueError(f"gate_up: expected an even gate+up dim, got {up_out}")
+    if dn_in != inter or dn_out != h:
+        raise ValueError(
+            f"down: expected [E, {inter}, {h}] (is_transposed) or [E, {h}, {inter}],"
+            f" got shape {tuple(down.shape)}"
+        )
+    if activation == "gpt_oss" and not has_gate:
+        raise ValueError("activation: 'gpt_oss' is a gated activation; has_gate=False")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
+    for name, b, dim in (("gate_up_bias", gate_up_bias, up_out), ("down_bias", down_bias, h)):
+        if b is not None and tuple(b.shape) != (num_experts, dim):
+            raise ValueError(f"{name}: expected shape ({num_experts}, {dim}), got {tuple(b.shape)}")
+
+
+def check_grouped_mm_offs(offs, weight) -> None:
+    """torch.nn.functional.grouped_mm's offs: integer [G], one row end per group of weight."""
+    if np.ndim(offs) != 1 or not jnp.issubdtype(offs.dtype, jnp.integer):
+        raise ValueError(
+            f"offs: expected a 1-D integer array [G], got {jnp.dtype(offs.dtype).name} "
+            f"of shape {tuple(np.shape(offs))}"
+        )
+    if np.ndim(weight) == 3 and offs.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"offs: expected length {weight.shape[0]} (weight.shape[0]), got {offs.shape[0]}"
         )

@@ -1,75 +1,101 @@
 """ragged-dot-tpu as torch ops: ragged_dot / grouped_mm, and the fused MoE experts layer.
 
-Both ops are differentiable: their backward ops run jax.vjp of the same JAX
-function, i.e. the kernels' own custom_vjp (gmm with transposed weights for
-d_lhs, tgmm for d_rhs).
+Both ops are differentiable through torch_bindings' one autograd path, with
+api.py's forward and backward rules (gmm with transposed weights for d_lhs,
+tgmm for d_rhs; the MoE layer's residuals from its forward). Argument rules
+are checks.py's, run by the ops on tensor specs before they dispatch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import torch
 
-from . import checks, moe, reference
-from .api import ragged_dot as _jax_ragged_dot
+from . import api, checks, reference
 from ._torch_bindings import OpLibrary, validate
 
 LIB = OpLibrary("ragged_dot_tpu", Path(__file__).parent)
 
-_DTYPES = (torch.bfloat16, torch.float32)
-_OUT_DTYPES = {"": None, "bfloat16": "bfloat16", "float32": "float32"}
+
+# -- ragged_dot -------------------------------------------------------------------
 
 
-def _rd_kernel(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, *, interpret):
-    return _jax_ragged_dot(
-        lhs,
-        rhs,
-        group_sizes,
-        group_offset=group_offset,
-        preferred_element_type=_OUT_DTYPES[out_dtype] or None,
+def _rd_statics(args, interpret):
+    _, _, _, _, transpose_rhs, out_dtype = args
+    return dict(
         transpose_rhs=transpose_rhs,
+        preferred_element_type=jnp.dtype(out_dtype) if out_dtype else None,
+        config=None,
         interpret=interpret,
     )
+
+
+def _rd_forward(*args, interpret):
+    lhs, rhs, group_sizes, group_offset = args[:4]
+    offset = jnp.asarray(group_offset, jnp.int32)
+    return api.ragged_dot_fwd(lhs, rhs, group_sizes, offset, **_rd_statics(args, interpret))
+
+
+def _rd_backward(args, out, residuals, grad, *, interpret):
+    lhs, rhs, group_sizes, group_offset = args[:4]
+    arrays = (lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32))
+    d_lhs, d_rhs, _, _ = api.ragged_dot_bwd(
+        arrays, out, residuals, grad, **_rd_statics(args, interpret)
+    )
+    return d_lhs, d_rhs
 
 
 def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype):
     if transpose_rhs:
         rhs = rhs.swapaxes(1, 2)
-    return reference.ragged_dot_reference(
-        lhs, rhs, group_sizes, group_offset, _OUT_DTYPES[out_dtype] or None
-    )
+    return reference.ragged_dot_reference(lhs, rhs, group_sizes, group_offset, out_dtype or None)
+
+
+def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype):
+    checks.check_ragged_dot_args(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs)
+    if out_dtype:
+        checks.check_dtype("out_dtype", out_dtype)
 
 
 _ragged_dot = LIB.define_differentiable(
     "ragged_dot",
     "(Tensor lhs, Tensor rhs, Tensor group_sizes, int group_offset, bool transpose_rhs, str out_dtype) -> Tensor",
-    kernel=_rd_kernel,
+    forward=_rd_forward,
+    backward=_rd_backward,
     reference=_rd_reference,
     differentiable=("lhs", "rhs"),
+    check=_rd_check,
 )
 
 
-def _moe_kernel(
-    hidden,
-    top_k_index,
-    top_k_weights,
-    gate_up,
-    down,
-    gate_up_bias,
-    down_bias,
-    num_experts,
-    has_gate,
-    is_transposed,
-    is_concatenated,
-    activation,
-    group_offset,
-    alpha,
-    limit,
-    *,
-    interpret,
-):
-    return moe.moe_experts(
+# -- the fused MoE experts layer ---------------------------------------------------
+
+
+def _moe_split(args, interpret):
+    """The op's positional arguments as api.moe_experts_fwd's arrays and statics."""
+    arrays = (*args[:7], jnp.asarray(args[12], jnp.int32))  # the 7 tensors, group_offset
+    names = ("num_experts", "has_gate", "is_transposed", "is_concatenated", "activation")
+    statics = dict(zip(names, args[7:12]), alpha=args[13], limit=args[14])
+    return arrays, dict(statics, config=None, interpret=interpret)
+
+
+def _moe_forward(*args, interpret):
+    arrays, statics = _moe_split(args, interpret)
+    return api.moe_experts_fwd(*arrays, **statics)
+
+
+def _moe_backward(args, out, residuals, grad, *, interpret):
+    arrays, statics = _moe_split(args, interpret)
+    grads = api.moe_experts_bwd(arrays, out, residuals, grad, **statics)
+    return tuple(grads[i] for i in (0, 2, 3, 4, 5, 6))
+
+
+def _moe_check(*args):
+    (hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, num_experts,
+     has_gate, is_transposed, _, activation) = args[:12]  # fmt: skip
+    checks.check_moe_args(
         hidden,
         top_k_index,
         top_k_weights,
@@ -77,20 +103,11 @@ def _moe_kernel(
         down,
         gate_up_bias,
         down_bias,
-        num_experts=num_experts,
-        has_gate=has_gate,
-        is_transposed=is_transposed,
-        is_concatenated=is_concatenated,
-        activation=activation,
-        group_offset=group_offset,
-        alpha=alpha,
-        limit=limit,
-        interpret=interpret,
+        num_experts,
+        has_gate,
+        is_transposed,
+        activation,
     )
-
-
-def _moe_reference(*args):
-    return moe.moe_experts_reference(*args)
 
 
 _moe_experts = LIB.define_differentiable(
@@ -98,18 +115,31 @@ _moe_experts = LIB.define_differentiable(
     "(Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
     "Tensor? gate_up_bias, Tensor? down_bias, int num_experts, bool has_gate, bool is_transposed, "
     "bool is_concatenated, str activation, int group_offset, float alpha, float limit) -> Tensor",
-    kernel=_moe_kernel,
-    reference=_moe_reference,
+    forward=_moe_forward,
+    backward=_moe_backward,
+    reference=reference.moe_experts_reference,
     differentiable=("hidden", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias"),
+    check=_moe_check,
 )
 
 
-def _check_group_sizes(group_sizes: torch.Tensor, m: int) -> None:
+# -- public torch functions ----------------------------------------------------------
+
+
+def _check_group_sizes(*args) -> None:
     # Value checks read the sizes: cheap on host tensors, a device sync on TPU,
-    # and impossible while tracing, so only eager host/TPU tensors get them.
+    # and impossible while tracing, so only eager host/TPU tensors get them,
+    # after the shapes (the op would check them next; the same check, remembered).
+    lhs, _, group_sizes = args[:3]
     if group_sizes.device.type == "meta" or torch.compiler.is_compiling():
         return
-    checks.check_group_sizes_values(group_sizes.detach().cpu().numpy(), m)
+    _ragged_dot.check_args(args)
+    checks.check_group_sizes_values(group_sizes.detach().cpu().numpy(), lhs.shape[0])
+
+
+def _index_tensor(t: torch.Tensor) -> torch.Tensor:
+    # JAX runs without 64-bit integers: int64 indices travel as int32 (they fit).
+    return t.to(torch.int32) if t.dtype == torch.int64 else t
 
 
 def ragged_dot(
@@ -129,44 +159,18 @@ def ragged_dot(
     zero). group_offset: first group held in rhs (expert parallelism; rows of
     other groups come out zero). bfloat16 or float32, f32 accumulation.
     """
-    validate.check_tensor("lhs", lhs, ndim=2, dtypes=_DTYPES)
-    validate.check_tensor("rhs", rhs, ndim=3, dtypes=_DTYPES)
-    validate.check_tensor("group_sizes", group_sizes, ndim=1, dtypes=(torch.int32, torch.int64))
-    validate.check_same_device(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
-    validate.check_supported_device("lhs", lhs)
-    validate.check_same_dtype(lhs=lhs, rhs=rhs)
-    k_axis = 2 if transpose_rhs else 1
-    if rhs.shape[k_axis] != lhs.shape[1]:
-        layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
-        raise ValueError(
-            f"rhs: expected {layout} with K={lhs.shape[1]} (lhs.shape[1]), got {list(rhs.shape)}"
-        )
-    if group_sizes.shape[0] < rhs.shape[0]:
-        raise ValueError(
-            f"group_sizes: expected length >= rhs.shape[0] = {rhs.shape[0]}, "
-            f"got {group_sizes.shape[0]}"
-        )
-    if not 0 <= group_offset <= group_sizes.shape[0] - rhs.shape[0]:
-        raise ValueError(
-            f"group_offset: expected 0 <= group_offset <= {group_sizes.shape[0] - rhs.shape[0]}, "
-            f"got {group_offset}"
-        )
-    if out_dtype is not None and out_dtype not in _DTYPES:
-        raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
-    _check_group_sizes(group_sizes, lhs.shape[0])
-    name = "" if out_dtype is None else str(out_dtype).replace("torch.", "")
-    return _ragged_dot(
-        lhs, rhs, group_sizes.to(torch.int32), int(group_offset), bool(transpose_rhs), name
-    )
+    validate.check_tensors(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    name = "" if out_dtype is None else str(out_dtype).removeprefix("torch.")
+    args = (lhs, rhs, _index_tensor(group_sizes), int(group_offset), bool(transpose_rhs), name)
+    _check_group_sizes(*args)
+    return _ragged_dot(*args)
 
 
 def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`torch.nn.functional.grouped_mm` convention: input [M, K], weight [G, K, N],
     offs [G] int32 = cumulative row ends of each group."""
-    validate.check_tensor("offs", offs, ndim=1, dtypes=(torch.int32, torch.int64))
-    if weight.dim() == 3 and offs.shape[0] != weight.shape[0]:
-        raise ValueError(
-            f"offs: expected length {weight.shape[0]} (weight.shape[0]), got {offs.shape[0]}"
-        )
-    sizes = torch.diff(offs.to(torch.int32), prepend=offs.new_zeros(1, dtype=torch.int32))
+    validate.check_tensors(input=input, weight=weight, offs=offs)
+    checks.check_grouped_mm_offs(validate.spec(offs), validate.spec(weight))
+    offs = _index_tensor(offs)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     return ragged_dot(input, weight, sizes)

@@ -21,6 +21,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from . import checks, moe
+
 
 def tolerance(dtype, k: int = 128, scale: float = 1.0) -> dict:
     if jnp.dtype(dtype) == jnp.float32:
@@ -79,3 +81,64 @@ def tgmm_reference(
         a, b = starts[g], ends[g]
         out[j] = lhs32[a:b].T.astype(np.float64) @ grad32[a:b].astype(np.float64)
     return jnp.asarray(out).astype(preferred_element_type or lhs.dtype)
+
+
+def moe_experts_reference(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    gate_up_bias,
+    down_bias,
+    num_experts,
+    has_gate,
+    is_transposed,
+    is_concatenated,
+    activation,
+    group_offset,
+    alpha,
+    limit,
+):
+    """moe_experts on jax.lax.ragged_dot (f32, HIGHEST), positional arguments.
+
+    Same routing, rounding points and sentinel handling as moe_experts; the
+    expert matmuls are ragged_dot_reference. Tolerances: reference.py.
+    """
+    checks.check_moe_args(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        num_experts,
+        has_gate,
+        is_transposed,
+        activation,
+    )
+
+    def matmul(x, w, group_sizes, which):
+        del which
+        if not is_transposed:
+            w = jnp.swapaxes(w, 1, 2)
+        return ragged_dot_reference(x, w, group_sizes, preferred_element_type=x.dtype)
+
+    return moe.experts_program(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        matmul=matmul,
+        num_experts=num_experts,
+        has_gate=has_gate,
+        is_concatenated=is_concatenated,
+        activation=activation,
+        group_offset=group_offset,
+        alpha=alpha,
+        limit=limit,
+    )

@@ -150,6 +150,14 @@ class RaggedDotConfig:
     bwd_rhs: TgmmConfig | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Configs of the fused MoE layer's two projections (None: chosen per call)."""
+
+    gate_up: RaggedDotConfig | None = None
+    down: RaggedDotConfig | None = None
+
+
 def generation_of(device=None) -> str:
     """Generation name of `device` (default: the one torch_bindings detects)."""
     if device is None:

@@ -26,12 +26,15 @@ from jax.experimental.pallas import tpu as pltpu
 from . import tiling
 
 
-def _resolve_generation(generation):
-    if generation is not None:
-        return generation
-    from ._torch_bindings.backend import detected_generation  # no torch needed
+def _resolve_config(config, rows, hidden, streams) -> tiling.RMSNormConfig:
+    """config: None (the attached TPU's generation), a generation name, or a RMSNormConfig."""
+    if isinstance(config, tiling.RMSNormConfig):
+        return config
+    if config is None:
+        from ._torch_bindings.backend import detected_generation  # no torch needed
 
-    return detected_generation()
+        config = detected_generation()
+    return tiling.choose_config(rows, hidden, streams, config)
 
 
 def _effective_weight(w_ref, gemma):
@@ -125,7 +128,6 @@ def rms_norm_fwd(
     eps: float,
     gemma: bool = False,
     interpret: bool = False,
-    generation: str | None = None,
     config=None,
 ):
     """y = x / rms(x) * w  (w -> 1 + w if gemma). With `residual`: returns (y, x + residual),
@@ -138,7 +140,7 @@ def rms_norm_fwd(
     if rows == 0:  # an empty grid is not a valid launch
         return (x, x) if has_residual else x
     streams = (x.dtype.itemsize,) * (4 if has_residual else 2)  # x[, residual] in; y[, sum] out
-    cfg = config or tiling.choose_config(rows, hidden, streams, _resolve_generation(generation))
+    cfg = _resolve_config(config, rows, hidden, streams)
     br = cfg.block_rows
     operands = [x2] + ([_flatten(residual)] if has_residual else []) + [weight.reshape(1, hidden)]
     in_specs = [_row_spec(br, hidden)] * (1 + has_residual) + [_weight_spec(hidden)]
@@ -176,7 +178,6 @@ def rms_norm_bwd(
     eps: float,
     gemma: bool = False,
     interpret: bool = False,
-    generation: str | None = None,
     config=None,
 ):
     """(dx, dweight) of y = rms_norm(s); `ds` (or None) is the gradient flowing
@@ -191,7 +192,7 @@ def rms_norm_bwd(
     streams = (dy.dtype.itemsize, s.dtype.itemsize, s.dtype.itemsize) + (
         (ds.dtype.itemsize,) if has_ds else ()
     )
-    cfg = config or tiling.choose_config(rows, hidden, streams, _resolve_generation(generation))
+    cfg = _resolve_config(config, rows, hidden, streams)
     br = cfg.block_rows
     operands = [dy2] + ([_flatten(ds)] if has_ds else []) + [s2, weight.reshape(1, hidden)]
     in_specs = [_row_spec(br, hidden)] * (2 + has_ds) + [_weight_spec(hidden)]
@@ -222,64 +223,3 @@ def rms_norm_bwd(
         name="rms_norm_bwd",
     )(*operands)
     return dx.reshape(shape), dw.reshape(weight.shape).astype(weight.dtype)
-
-
-# -- JAX API with autodiff ----------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def rms_norm(
-    x,
-    weight,
-    eps: float = 1e-6,
-    gemma: bool = False,
-    interpret: bool = False,
-    generation: str | None = None,
-):
-    """Differentiable RMSNorm for JAX callers (the torch ops wrap the same kernels)."""
-    return rms_norm_fwd(x, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation)
-
-
-def _rms_norm_vjp_fwd(x, weight, eps, gemma, interpret, generation):
-    return rms_norm(x, weight, eps, gemma, interpret, generation), (x, weight)
-
-
-def _rms_norm_vjp_bwd(eps, gemma, interpret, generation, res, dy):
-    x, weight = res
-    return rms_norm_bwd(
-        dy, None, x, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation
-    )
-
-
-rms_norm.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def fused_add_rms_norm(
-    x,
-    residual,
-    weight,
-    eps: float = 1e-6,
-    gemma: bool = False,
-    interpret: bool = False,
-    generation: str | None = None,
-):
-    """(rms_norm(x + residual), x + residual), differentiable for JAX callers."""
-    return rms_norm_fwd(
-        x, weight, residual, eps=eps, gemma=gemma, interpret=interpret, generation=generation
-    )
-
-
-def _fused_vjp_fwd(x, residual, weight, eps, gemma, interpret, generation):
-    y, s = fused_add_rms_norm(x, residual, weight, eps, gemma, interpret, generation)
-    return (y, s), (s, weight)
-
-
-def _fused_vjp_bwd(eps, gemma, interpret, generation, res, grads):
-    s, weight = res
-    dy, ds = grads
-    dx, dw = rms_norm_bwd(
-        dy, ds, s, weight, eps=eps, gemma=gemma, interpret=interpret, generation=generation
-    )
-    return dx, dx, dw
-
-
-fused_add_rms_norm.defvjp(_fused_vjp_fwd, _fused_vjp_bwd)

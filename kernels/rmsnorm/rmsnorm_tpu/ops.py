@@ -1,4 +1,5 @@
-"""RMSNorm as torch ops: forward, fused residual add, and a backward op for autograd."""
+"""RMSNorm as torch ops: plain and fused residual add, differentiable through
+torch_bindings' one autograd path (api.py's forward and backward rules)."""
 
 from __future__ import annotations
 
@@ -6,80 +7,43 @@ from pathlib import Path
 
 import torch
 
-from . import kernel, reference
+from . import api, checks, reference
 from ._torch_bindings import OpLibrary, validate
 
 LIB = OpLibrary("rmsnorm_tpu", Path(__file__).parent)
 
-_rms_norm = LIB.define(
+
+def _statics(args):
+    eps, gemma = args[-2:]
+    return dict(eps=eps, gemma=gemma, config=None)
+
+
+_rms_norm = LIB.define_differentiable(
     "rms_norm",
     "(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor",
-    kernel=lambda x, w, eps, gemma, *, interpret: kernel.rms_norm_fwd(
-        x, w, eps=eps, gemma=gemma, interpret=interpret
+    forward=lambda x, w, eps, gemma, *, interpret: api.rms_norm_fwd(
+        x, w, eps=eps, gemma=gemma, config=None, interpret=interpret
+    ),
+    backward=lambda args, y, res, dy, *, interpret: api.rms_norm_bwd(
+        args[:2], y, res, dy, **_statics(args), interpret=interpret
     ),
     reference=reference.rms_norm_ref,
+    differentiable=("x", "weight"),
+    check=lambda x, w, eps, gemma: checks.check_rms_norm_args(x, w, eps=eps),
 )
-_fused_add_rms_norm = LIB.define(
+_fused_add_rms_norm = LIB.define_differentiable(
     "fused_add_rms_norm",
     "(Tensor x, Tensor residual, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)",
-    kernel=lambda x, r, w, eps, gemma, *, interpret: kernel.rms_norm_fwd(
-        x, w, r, eps=eps, gemma=gemma, interpret=interpret
+    forward=lambda x, r, w, eps, gemma, *, interpret: api.fused_add_rms_norm_fwd(
+        x, r, w, eps=eps, gemma=gemma, config=None, interpret=interpret
+    ),
+    backward=lambda args, outs, res, cts, *, interpret: api.fused_add_rms_norm_bwd(
+        args[:3], outs, res, cts, **_statics(args), interpret=interpret
     ),
     reference=reference.fused_add_rms_norm_ref,
+    differentiable=("x", "residual", "weight"),
+    check=lambda x, r, w, eps, gemma: checks.check_rms_norm_args(x, w, r, eps=eps),
 )
-_rms_norm_backward = LIB.define(
-    "rms_norm_backward",
-    "(Tensor dy, Tensor? ds, Tensor s, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)",
-    kernel=lambda dy, ds, s, w, eps, gemma, *, interpret: kernel.rms_norm_bwd(
-        dy, ds, s, w, eps=eps, gemma=gemma, interpret=interpret
-    ),
-    reference=reference.rms_norm_bwd_ref,
-)
-
-
-def _setup_rms_norm(ctx, inputs, output):
-    x, weight, eps, gemma = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.gemma = eps, gemma
-
-
-def _backward_rms_norm(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw = _rms_norm_backward(dy, None, x, weight, ctx.eps, ctx.gemma)
-    return dx, dw, None, None
-
-
-def _setup_fused(ctx, inputs, output):
-    _, _, weight, eps, gemma = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps, ctx.gemma = eps, gemma
-
-
-def _backward_fused(ctx, dy, ds):
-    s, weight = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(s)
-    dx, dw = _rms_norm_backward(dy, ds, s, weight, ctx.eps, ctx.gemma)
-    return dx, dx, dw, None, None
-
-
-_rms_norm.register_autograd(_backward_rms_norm, _setup_rms_norm)
-_fused_add_rms_norm.register_autograd(_backward_fused, _setup_fused)
-
-
-def _check(x, weight, residual=None):
-    validate.check_tensor("x", x, min_ndim=1, dtypes=validate.FLOAT_DTYPES)
-    validate.check_supported_device("x", x)
-    hidden = x.shape[-1]
-    if hidden == 0:
-        raise ValueError(
-            f"x: expected a non-empty last (hidden) dimension, got shape {tuple(x.shape)}"
-        )
-    validate.check_tensor("weight", weight, shape=(hidden,), dtypes=validate.FLOAT_DTYPES)
-    if residual is not None:
-        validate.check_tensor("residual", residual, shape=tuple(x.shape))
-        validate.check_same_dtype(x=x, residual=residual)
-    validate.check_same_device(x=x, weight=weight, residual=residual)
 
 
 def rms_norm(
@@ -90,7 +54,7 @@ def rms_norm(
     Any leading dims, any hidden size; float32/bfloat16/float16 with f32 math.
     Returns x's dtype.
     """
-    _check(x, weight)
+    validate.check_tensors(x=x, weight=weight)
     return _rms_norm(x, weight, float(eps), bool(gemma))
 
 
@@ -107,5 +71,5 @@ def fused_add_rms_norm(
     The sum is stored in x's dtype and that stored value is what is normalised,
     as a decoder that does `residual = residual + h; h = norm(residual)` would.
     """
-    _check(x, weight, residual)
+    validate.check_tensors(x=x, residual=residual, weight=weight)
     return _fused_add_rms_norm(x, residual, weight, float(eps), bool(gemma))
