@@ -74,6 +74,7 @@ T_EXP = "tests/ragged_dot/test_experts.py"
 T_FA = "tests/flash_attention/test_flash_attention.py"
 T_FA_OP = "tests/flash_attention/test_torch_op.py"
 T_TB = "tests/test_torch_bindings.py"
+T_AR = "tests/test_autograd_residuals.py"
 
 RMS_BLOCKS = f"{T_RMS}::test_backward_across_row_blocks_with_eps_that_matters"
 FA_SCALE = f"{T_FA}::test_softmax_scale_reaches_every_kernel[0.05-float32]"
@@ -388,6 +389,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "result[i] = g",
         (f"{T_TB}::test_forward_and_autograd_with_optional_tensor",),
         "bindings: a gradient returned for an absent optional tensor",
+    ),
+    Mutant(
+        "tb-residual-recompute",
+        f"{TB}/op.py",
+        "args, outputs, residuals, cts = split_bwd_args(a[:-1])\n",
+        "args, outputs, residuals, cts = split_bwd_args(a[:-1])\n"
+        "        outputs, residuals = forward(*args, interpret=interpret)\n"
+        "        outputs = as_tuple(outputs)\n",
+        (f"{T_AR}::test_backward_program_runs_no_forward_kernel[flash_attention]",),
+        "bindings: the backward op runs the forward again for its residuals",
+    ),
+    Mutant(
+        "tb-saved-outputs",
+        f"{TB}/op.py",
+        "outs, residuals = saved[n_in : n_in + n_out], list(saved[n_in + n_out :])",
+        "outs, residuals = saved[n_in - 1 : n_in - 1 + n_out], list(saved[n_in + n_out :])",
+        (f"{T_FA_OP}::test_flash_attn_varlen_func_and_grads_match_torch[case0-interpret]",),
+        "bindings: the backward reads an input where autograd saved the output",
+    ),
+    Mutant(
+        "fa-residual-lse",
+        FA_API,
+        "lse5, o5 = residuals if len(residuals) == 2 else (residuals[0], c.q_in(out))",
+        "lse5, o5 = residuals if len(residuals) == 2 else (0.0 * residuals[0], c.q_in(out))",
+        (f"{T_FA}::test_gqa_8_causal_cross_lengths_f32",),
+        "backward: the forward's logsumexp residual not used (zeros instead)",
     ),
     Mutant(
         "rd-op-offset",

@@ -95,7 +95,8 @@ def _bhsd_spec(x, layout):
     return TensorSpec((b, h, s, d), x.dtype)
 
 
-def _dense_check(q, k, v, sinks, q_segment_ids, kv_segment_ids, layout, causal, left, right, *_):
+def _dense_check(q, k, v, sinks, q_segment_ids, kv_segment_ids, layout, *_):
+    # The scalars (window, softcap, scale) were checked as the wrapper normalised them.
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     checks.check_inputs(
@@ -103,7 +104,6 @@ def _dense_check(q, k, v, sinks, q_segment_ids, kv_segment_ids, layout, causal, 
         _bhsd_spec(k, layout),
         _bhsd_spec(v, layout),
         sinks=sinks,
-        window_size=(left, right),
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
@@ -178,16 +178,13 @@ def _varlen_backward(args, out, residuals, dout, *, interpret):
     return dq, dk, dv, dsinks
 
 
-def _varlen_check(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_q, max_k, causal, left, right, *_
-):
+def _varlen_check(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_q, max_k, *_):
     checks.check_inputs(
         q,
         k,
         v,
         varlen=True,
         sinks=sinks,
-        window_size=(left, right),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_q,
