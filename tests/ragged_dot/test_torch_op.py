@@ -148,7 +148,10 @@ def test_bad_inputs_raise_clear_errors(mutate, match):
 
 def test_bad_group_offset_and_offs():
     lhs, rhs = torch.randn(8, 16), torch.randn(2, 16, 4)
-    with pytest.raises(ValueError, match=r"group_offset: expected 0 <= group_offset <= len\(group_sizes\) - rhs.shape\[0\] = 1, got 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"group_offset: expected 0 <= group_offset <= len\(group_sizes\) - rhs.shape\[0\] = 1, got 2",
+    ):
         ragged_dot_tpu.ragged_dot(
             lhs, rhs, torch.tensor([3, 5, 0], dtype=torch.int32), group_offset=2
         )
