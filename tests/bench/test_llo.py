@@ -179,7 +179,7 @@ def test_gmm_streams_qwen3_decode_weights_at_copy_bandwidth(generation, projecti
     our gmm is within 6% of moving its bytes at the modeled copy bandwidth.
     With one weight DMA in flight (the former 2-slot ring) every expert paid
     the DMA latency: 1.3-1.6x on these shapes."""
-    from ragged_dot_tpu.gmm import gmm
+    from ragged_dot_tpu.kernel_gmm import gmm
 
     _require_dumps()
     tokens, experts, top_k = 64, 128, 8
