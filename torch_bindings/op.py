@@ -346,7 +346,8 @@ class OpLibrary:
         differentiable: tuple[str, ...],
         check: Callable | None = None,
     ) -> DifferentiableOp:
-        """`name` differentiable in the tensor arguments `differentiable`.
+        """`name` differentiable in the tensor arguments `differentiable`: ops
+        `name` (plain), `name_fwd` (with residuals) and `name_backward`.
 
         forward(*args, interpret) -> (outputs, residuals): args in schema order,
         outputs as the schema returns them, residuals a tuple of arrays.
@@ -489,6 +490,4 @@ def _define_differentiable(
         return tuple(result)
 
     fwd_op.register_autograd(backward_fn, setup_context)
-    op = DifferentiableOp(plain, fwd_op, bwd_op, differentiable)
-    lib.ops[name] = plain
-    return op
+    return DifferentiableOp(plain, fwd_op, bwd_op, differentiable)

@@ -183,9 +183,17 @@ class _Call:
 
 
 def _generation(config):
+    """(generation, explicit BlockSizes or None) from config=None | generation | BlockSizes."""
     if isinstance(config, tiling.BlockSizes):
         return tiling.detect_generation(), config
-    return tiling.check_generation(config or tiling.detect_generation()), None
+    if config is None:
+        return tiling.detect_generation(), None
+    if isinstance(config, str) and config in tiling.GENERATIONS:
+        return config, None
+    raise ValueError(
+        f"config: expected None, a generation name ({', '.join(tiling.GENERATIONS)}) "
+        f"or a tiling.BlockSizes, got {config!r}"
+    )
 
 
 def _plan(pb, dtype, config):
