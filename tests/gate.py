@@ -42,23 +42,34 @@ def meta_call(jax_op, *args):
 # hands its whole matrix to a pool of worker processes (one per core) when its
 # first test asks, and each test waits for its own point. Points are built
 # inside the worker by the test module's `gate_program(point)`, which returns a
-# GateProgram; one whose `covered_by` program already contains every Pallas
-# launch it makes (the same kernels, bit for bit) is checked for that instead
-# of being compiled again.
+# GateProgram. One that names a `covered_by` point is first traced against that
+# point's program: if every Pallas launch it makes is one the other compiles
+# (same kernel body, blocks, buffering, VMEM and compiler parameters; only the
+# sizes it declares as `extents` and the grid may differ), it passes when that
+# program compiles; otherwise it is compiled itself.
 
 import dataclasses  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Callable, Sequence  # noqa: E402
+from typing import Any, Callable, Hashable, Sequence  # noqa: E402
+
+import gate_worker  # noqa: E402
 
 
 @dataclasses.dataclass
 class GateProgram:
+    """One point's program. extents: the sizes (rows M, sequence length) that
+    may differ between this program and its cover: they only set array
+    extents in HBM, the grid, scalar constants and scalar-prefetch (SMEM)
+    lengths, never a block, a vector shape or a VMEM buffer."""
+
     fn: Callable[..., Any]
     args: Sequence[jax.ShapeDtypeStruct]
     generation: str
-    covered_by: "GateProgram | None" = None
+    covered_by: Hashable | None = None  # a point of the same module
+    extents: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +79,116 @@ class PointResult:
     cpu_s: float
     wall_s: float
     compiled: bool  # False: covered by another point's program
+    covered_by: Hashable | None = None
+    note: str | None = None  # why a candidate cover did not cover it
 
 
-def pallas_launches(fn, args) -> list[str]:
-    """A digest of every pallas_call `fn(*args)` traces (kernel jaxpr, grid, operands)."""
-    import hashlib
+# Scalar integer literals in a jaxpr ("4096:i32[]"), refs ("Ref<smem>{i32[136]}")
+# and array types ("bf16[32768,2048]").
+_LITERAL = re.compile(r"(?<![\w.\]])(-?\d+):([iu]\d+)\[\]")
+_REF = re.compile(r"Ref<(\w+)>\{(\w+)\[([\d, ]*)\]\}")
+_ARRAY = re.compile(r"(\w+)\[([\d, ]*)\]")
+_SLOT = "#"  # where a size that may differ stood in a Launch's template
 
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One pallas_call as text, with the sizes that may differ between a
+    program and its cover taken out of it (`sizes`, in order).
+
+    Kept in the template, so compared exactly: the kernel body and its vector
+    shapes, every VMEM ref (blocks, scratch), block shapes, pipeline modes,
+    compiler parameters (the VMEM limit), dtypes, operand order. Taken out:
+    scalar literals, SMEM ref and scalar-prefetch lengths, the grid's extents
+    (any of the program's roles may explain them) and other HBM array dims
+    (only its extents may).
+    """
+
+    template: str
+    sizes: tuple[tuple[int, bool], ...]  # (value, any role may explain it)
+    roles: tuple[tuple[str, int], ...]  # name -> value: E0, E0-1, ..., G0, G0-1, ...
+
+    def names(self, value: int, any_role: bool) -> set[str]:
+        return {n for n, v in self.roles if v == value and (any_role or not n.startswith("G"))}
+
+    def same_kernel(self, other: "Launch") -> bool:
+        """True when only sizes differ, each playing the same role in both:
+        e.g. 4095 and 32767 where both are the sequence extent minus one."""
+        if self.template != other.template:
+            return False
+        for (a, any_role), (b, _) in zip(self.sizes, other.sizes):
+            if a != b and not self.names(a, any_role) & other.names(b, any_role):
+                return False
+        return True
+
+
+def _launch(eqn, extents: tuple[int, ...]) -> Launch:
+    p = eqn.params
+    gm = p["grid_mapping"]
+    grid = tuple(int(g) for g in gm.grid)
+    roles = []
+    for j, e in enumerate(extents):
+        roles += [(f"E{j}", e), (f"E{j}-1", e - 1)]
+    for i, g in enumerate(grid):
+        roles += [(f"G{i}", g), (f"G{i}-1", g - 1)]
+    sizes = []
+
+    def slots(dims: str, any_role: bool) -> str:
+        out = []
+        for d in dims.split(","):
+            if d.strip():
+                sizes.append((int(d), any_role))
+                out.append(_SLOT)
+        return ",".join(out)
+
+    def ref(m):
+        space, dtype, dims = m.groups()
+        if space in ("smem", "any"):
+            dims = slots(dims, space == "smem")
+        return f"Ref<{space}>{{{dtype}[{dims}]}}"
+
+    def literal(m):
+        sizes.append((int(m.group(1)), True))
+        return f"{_SLOT}:{m.group(2)}[]"
+
+    def jaxpr_text(j) -> str:
+        return _LITERAL.sub(literal, _REF.sub(ref, str(j)))
+
+    def hbm(aval, any_role=False) -> str:
+        return _ARRAY.sub(lambda m: f"{m.group(1)}[{slots(m.group(2), any_role)}]", str(aval))
+
+    # Scalar-prefetch operands are copied to SMEM: their lengths count as SMEM's.
+    k = gm.num_index_operands
+    parts = [
+        f"name={p.get('name')}",
+        f"kernel={jaxpr_text(p['jaxpr'])}",
+        f"grid=({slots(','.join(map(str, grid)), True)})",
+        f"compiler_params={p.get('compiler_params')}",
+        f"index_operands={k} in={gm.num_inputs} out={gm.num_outputs}",
+        f"index_map_avals={_REF.sub(ref, str(gm.index_map_avals))}",
+        f"scratch={_REF.sub(ref, str(gm.scratch_avals))}",
+        "operands=" + ";".join(hbm(v.aval, i < k) for i, v in enumerate(eqn.invars)),
+        "results=" + ";".join(hbm(a) for a in p["out_avals"]),
+    ]
+    for bm in gm.block_mappings:
+        parts.append(
+            "block "
+            + " | ".join(
+                [
+                    str(bm.block_shape),
+                    _REF.sub(ref, str(bm.transformed_block_aval)),
+                    hbm(bm.array_aval),
+                    f"pipeline_mode={bm.pipeline_mode}",
+                    f"index_map={jaxpr_text(bm.index_map_jaxpr)}",
+                ]
+            )
+        )
+    return Launch("\n".join(parts), tuple(sizes), tuple(roles))
+
+
+def pallas_launches(fn, args, extents: tuple[int, ...] = ()) -> list[Launch]:
+    """Every pallas_call `fn(*args)` traces. extents: the program's sizes
+    (rows, sequence length) that a cover may have at other values."""
     from jax._src import core as jax_core
 
     found = []
@@ -81,16 +196,7 @@ def pallas_launches(fn, args) -> list[str]:
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                p = eqn.params
-                text = "|".join(
-                    [
-                        str(p["jaxpr"]),
-                        str(p["grid_mapping"]),
-                        str(p.get("compiler_params")),
-                        ";".join(str(v.aval) for v in eqn.invars),
-                    ]
-                )
-                found.append(hashlib.sha1(text.encode()).hexdigest())
+                found.append(_launch(eqn, tuple(extents)))
             for v in eqn.params.values():
                 for j in v if isinstance(v, (list, tuple)) else (v,):
                     if isinstance(j, jax_core.ClosedJaxpr):
@@ -102,13 +208,14 @@ def pallas_launches(fn, args) -> list[str]:
     return found
 
 
+def uncovered_launches(prog: GateProgram, cover: GateProgram) -> tuple[int, int]:
+    """(launches of prog that cover's program does not make, launches of prog)."""
+    mine = pallas_launches(prog.fn, prog.args, prog.extents)
+    theirs = pallas_launches(cover.fn, cover.args, cover.extents)
+    return sum(1 for a in mine if not any(a.same_kernel(b) for b in theirs)), len(mine)
+
+
 _MODULES: dict[str, Any] = {}
-
-
-def _init_worker(path: list[str]) -> None:
-    for p in path:
-        if p not in sys.path:
-            sys.path.append(p)
 
 
 def _run_point(module_file: str, point) -> PointResult:
@@ -121,29 +228,23 @@ def _run_point(module_file: str, point) -> PointResult:
         spec.loader.exec_module(mod)
         _MODULES[module_file] = mod
     c0, t0 = time.process_time(), time.monotonic()
+
+    def done(ok, error, compiled, covered_by=None, note=None):
+        cpu, wall = time.process_time() - c0, time.monotonic() - t0
+        return PointResult(ok, error, cpu, wall, compiled, covered_by, note)
+
     try:
         prog = mod.gate_program(point)
+        note = None
         if prog.covered_by is not None:
-            mine = pallas_launches(prog.fn, prog.args)
-            theirs = set(pallas_launches(prog.covered_by.fn, prog.covered_by.args))
-            missing = [s for s in mine if s not in theirs]
-            ok = bool(mine) and not missing
-            err = (
-                None
-                if ok
-                else f"{len(missing)} of {len(mine)} launches not in the covering program"
-            )
-            return PointResult(ok, err, time.process_time() - c0, time.monotonic() - t0, False)
+            missing, total = uncovered_launches(prog, mod.gate_program(prog.covered_by))
+            if total and not missing:
+                return done(True, None, False, prog.covered_by)
+            note = f"not covered by {prog.covered_by}: {missing} of {total} launches differ"
         res = try_tpu_compile(prog.fn, prog.args, prog.generation)
-        return PointResult(res.ok, res.error, time.process_time() - c0, time.monotonic() - t0, True)
+        return done(res.ok, res.error, True, None, note)
     except Exception as e:  # noqa: BLE001 - tiling raises before any compile
-        return PointResult(
-            False,
-            f"{type(e).__name__}: {e}"[:2000],
-            time.process_time() - c0,
-            time.monotonic() - t0,
-            False,
-        )
+        return done(False, f"{type(e).__name__}: {e}"[:2000], False)
 
 
 class CompilePool:
@@ -161,8 +262,8 @@ class CompilePool:
         self.pool = ProcessPoolExecutor(
             n,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(list(sys.path),),
+            initializer=gate_worker.init,
+            initargs=(gate_worker.env_without_dumps(), list(sys.path)),
         )
         self.futures = {}
         self.workers = n
@@ -181,6 +282,13 @@ class CompilePool:
         r = self.result(module_file, point)
         if not r.ok:
             pytest.fail(f"TPU compile gate failed for {point}: {r.error}")
+        if r.covered_by is not None:
+            c = self.result(module_file, r.covered_by)
+            if not (c.ok and c.compiled):
+                pytest.fail(
+                    f"TPU compile gate: {point} is covered by {r.covered_by}, which did not "
+                    f"compile: {c.error}"
+                )
         return r
 
     def summary(self) -> str:
@@ -190,12 +298,25 @@ class CompilePool:
             if f.done() and not f.cancelled() and f.exception() is None
         ]
         compiled = [r for r in done if r.compiled]
+        missed = sum(1 for r in compiled if r.note)
         return (
-            f"{len(done)} points: {len(compiled)} programs compiled, "
-            f"{len(done) - len(compiled)} checked as covered; "
+            f"{len(done)} points: {len(compiled)} programs compiled "
+            f"({missed} of them after a candidate cover differed), "
+            f"{sum(1 for r in done if r.covered_by is not None)} checked as covered; "
             f"{sum(r.cpu_s for r in done) / 60:.1f} min CPU in {self.workers} worker "
             f"processes, pool open {(time.monotonic() - self.started) / 60:.1f} min"
         )
+
+    def report(self, path: str) -> None:
+        """Writes every finished point's result as JSON lines (GATE_REPORT=path)."""
+        import json
+
+        with open(path, "w") as f:
+            for (module_file, point), fut in self.futures.items():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    r = fut.result()
+                    row = dict(module=os.path.basename(module_file), point=list(point))
+                    f.write(json.dumps({**row, **dataclasses.asdict(r)}) + "\n")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -240,6 +361,8 @@ def close_session_pool() -> str | None:
     if _SESSION_POOL is None:
         return None
     summary = _SESSION_POOL.summary()
+    if os.environ.get("GATE_REPORT"):
+        _SESSION_POOL.report(os.environ["GATE_REPORT"])
     _SESSION_POOL.close()
     _SESSION_POOL = None
     return summary
