@@ -86,10 +86,6 @@ class TensorSpec:
         return f"TensorSpec({self.shape}, {self.dtype})"
 
 
-def spec_key(t: torch.Tensor):
-    return (tuple(t.shape), t.dtype)
-
-
 def shape_dtype_struct(t: torch.Tensor):
     import jax
 

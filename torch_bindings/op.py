@@ -149,15 +149,27 @@ class JaxOp:
         """Runs `check` on the arguments as specs; a passing signature is remembered."""
         if self.check is None:
             return
-        tensors, statics = self._split(args)
         if cache:
-            key = (statics, _freeze(tuple(_map_tensors(convert.spec_key, t) for t in tensors)))
+            key = self._signature(args)
             if key in self._checked:
                 return
+        tensors, statics = self._split(args)
         specs = tuple(_map_tensors(convert.TensorSpec.of, t) for t in tensors)
         self.check(*self._merge(specs, statics))
         if cache:
             self._checked.add(key)
+
+    def _signature(self, args) -> tuple:
+        """Static arguments, and shape and dtype of each tensor: what a check reads."""
+        sig = []
+        for a, kind in zip(args, self._kinds):
+            if kind == "tensor" or (kind == "optional_tensor" and a is not None):
+                sig.append((a.shape, a.dtype))
+            elif kind == "tensor_list":
+                sig.append(tuple((t.shape, t.dtype) for t in a))
+            else:
+                sig.append(a)
+        return tuple(sig)
 
     # -- JAX side -----------------------------------------------------------
     def jax_function(self, impl: str) -> Callable[..., Any]:
@@ -214,7 +226,7 @@ class JaxOp:
             impl = "reference"
         else:
             impl = backend.current_cpu_impl() if device.type == "cpu" else "tpu"
-        key = (impl, statics, _freeze(tuple(_map_tensors(convert.spec_key, t) for t in tensors)))
+        key = (impl, self._signature(args))
         avals = self._shape_cache.get(key)
         if avals is None:
             specs = [_map_tensors(convert.shape_dtype_struct, t) for t in tensors]
@@ -282,12 +294,6 @@ class JaxOp:
         torch.library.register_autograd(
             self.qualname, backward, setup_context=setup_context, lib=self.library.lib
         )
-
-
-def _freeze(x):
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(v) for v in x)
-    return x
 
 
 class DifferentiableOp:
