@@ -20,7 +20,10 @@ rot when the code changes: update the text, keep the bug).
 
 Test runs are forked from a parent that has already imported JAX, torch and
 pytest (no project module), so each mutant pays for its tests, not for a
-fresh interpreter; `--no-fork` runs each in a subprocess instead.
+fresh interpreter (`--no-fork`: a fresh one each). `--workers` runs (default
+2, one per core of the CI machine) go at once, each in its own copy of the
+tree; every run's wall and CPU seconds (its own rusage) are printed, then a
+table and a summary line with the totals and the costliest mutants.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -538,63 +541,92 @@ def _child_env(tree: Path) -> dict:
     return env
 
 
-def _run_fork(tree: Path, tests, timeout: float, log: Path) -> int:
-    pid = os.fork()
-    if pid == 0:  # child: run pytest in the copy, never return
-        code = 3
-        try:
-            os.setsid()
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.chdir(tree)
-            os.environ.update(_child_env(tree))
-            sys.dont_write_bytecode = True
-            # Drop this script's folder; the checkout's import paths become the copy's.
-            sys.path[:] = [
-                _in_copy(p, tree) for p in sys.path if p not in ("", str(ROOT / "scripts"))
-            ]
-            import pytest
+def _child(tree: Path, tests, log: Path, exec_pytest: bool) -> None:
+    """In a forked child: run pytest on `tests` in `tree`, output to `log`; never returns."""
+    code = 3
+    try:
+        os.setsid()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(tree)
+        env = _child_env(tree)
+        if exec_pytest:  # --no-fork: a fresh interpreter
+            os.execve(sys.executable, [sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests], env)
+        os.environ.update(env)
+        sys.dont_write_bytecode = True
+        # Drop this script's folder; the checkout's import paths become the copy's.
+        sys.path[:] = [_in_copy(p, tree) for p in sys.path if p not in ("", str(ROOT / "scripts"))]
+        import pytest
 
-            code = int(pytest.main([*PYTEST_ARGS, *tests]))
-        except BaseException:  # noqa: BLE001 - report, never unwind into the parent's loop
-            import traceback
+        code = int(pytest.main([*PYTEST_ARGS, *tests]))
+    except BaseException:  # noqa: BLE001 - report, never unwind into the parent's loop
+        import traceback
 
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -9
-        time.sleep(0.2)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
-def _run_subprocess(tree: Path, tests, timeout: float, log: Path) -> int:
-    with open(log, "w") as f:
-        try:
-            return subprocess.run(
-                [sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests],
-                cwd=tree,
-                env=_child_env(tree),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            return -9
+@dataclasses.dataclass
+class Job:
+    """One pytest run in a forked child."""
+
+    key: Any
+    pid: int
+    started: float
+    deadline: float
 
 
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+@dataclasses.dataclass(frozen=True)
+class Done:
+    key: Any
+    rc: int  # pytest's exit code; -9: killed at the timeout
+    wall_s: float
+    cpu_s: float  # the child's own user + system time (os.wait4)
+
+
+class Runner:
+    """Runs pytest selections in up to `workers` forked children at once.
+
+    Forked from a parent that has already imported JAX, torch and pytest, each
+    run pays for its tests, not for a fresh interpreter (`exec_pytest`: a
+    fresh one). Each child's CPU time comes from its own rusage, so it is
+    right however many run at once.
+    """
+
+    def __init__(self, workers: int, exec_pytest: bool):
+        self.workers = workers
+        self.exec_pytest = exec_pytest
+        self.jobs: dict[int, Job] = {}
+
+    def free(self) -> bool:
+        return len(self.jobs) < self.workers
+
+    def start(self, key, tree: Path, tests, timeout: float, log: Path) -> None:
+        pid = os.fork()
+        if pid == 0:
+            _child(tree, tests, log, self.exec_pytest)
+        now = time.monotonic()
+        self.jobs[pid] = Job(key, pid, now, now + timeout)
+
+    def wait(self) -> Done:
+        """Blocks until a run ends (or is killed at its timeout)."""
+        while True:
+            for pid, job in list(self.jobs.items()):
+                killed = False
+                if time.monotonic() > job.deadline:
+                    os.killpg(pid, signal.SIGKILL)
+                    killed = True
+                done, status, usage = os.wait4(pid, 0 if killed else os.WNOHANG)
+                if done:
+                    del self.jobs[pid]
+                    rc = -9 if killed else os.waitstatus_to_exitcode(status)
+                    cpu = usage.ru_utime + usage.ru_stime
+                    return Done(job.key, rc, time.monotonic() - job.started, cpu)
+            time.sleep(0.2)
 
 
 def _preload() -> None:
@@ -618,10 +650,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip the run of the selected tests on the unmodified copy",
     )
-    ap.add_argument("--no-fork", action="store_true", help="one subprocess per test run")
+    ap.add_argument("--no-fork", action="store_true", help="a fresh interpreter per test run")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ.get("MUTANT_WORKERS", 0)) or min(2, os.cpu_count() or 1),
+        help="test runs at once, each in its own copy of the tree (default: 2)",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy and logs")
     args = ap.parse_args(argv)
+    t_start = time.monotonic()
 
     mutants = list(MUTANTS)
     if args.only:
@@ -642,63 +681,90 @@ def main(argv=None) -> int:
     if args.check:
         return 0
 
-    run = _run_subprocess if args.no_fork else _run_fork
     if not args.no_fork:
         _preload()
-    t_start, cpu_start = time.monotonic(), _children_cpu()
+    runner = Runner(args.workers, exec_pytest=args.no_fork)
     work = Path(tempfile.mkdtemp(prefix="mutants-"))
-    tree = work / "tree"
-    copy_tree(tree)
+    # One copy of the tree per worker: a mutant is planted in its worker's copy.
+    trees = [work / f"tree{i}" for i in range(args.workers)]
+    for tree in trees:
+        copy_tree(tree)
     logs = work / "logs"
     logs.mkdir()
-    rows, failed = [], False
+    rows, failed, cpu_total = [], False, 0.0
     try:
         if not args.no_baseline:
             selected = sorted({t for m in mutants for t in m.tests})
-            t0, c0 = time.monotonic(), _children_cpu()
-            rc = run(tree, selected, args.timeout * 3, logs / "baseline.log")
-            secs, cpu = time.monotonic() - t0, _children_cpu() - c0
+            # The test files dealt out to the workers, each share in one run.
+            files = sorted({t.split("::")[0] for t in selected})
+            parts = [
+                [t for t in selected if files.index(t.split("::")[0]) % args.workers == i]
+                for i in range(args.workers)
+            ]
+            parts = [p for p in parts if p]
+            t0 = time.monotonic()
+            for i, part in enumerate(parts):
+                runner.start(i, trees[i], part, args.timeout * 3, logs / f"baseline{i}.log")
+            results = [runner.wait() for _ in parts]
+            cpu = sum(r.cpu_s for r in results)
+            cpu_total += cpu
+            bad = [r for r in results if r.rc != 0]
             print(
-                f"baseline: {len(selected)} test selections on the unmodified tree: "
-                f"{'pass' if rc == 0 else f'FAIL (rc {rc})'} in {secs:.0f} s "
-                f"({cpu:.0f} s CPU)",
+                f"baseline: {len(selected)} test selections on the unmodified tree in "
+                f"{len(parts)} runs: {'pass' if not bad else 'FAIL'} in "
+                f"{time.monotonic() - t0:.0f} s ({cpu:.0f} s CPU)",
                 flush=True,
             )
-            if rc != 0:
-                print((logs / "baseline.log").read_text()[-4000:])
+            if bad:
+                for r in bad:
+                    print(f"-- baseline{r.key}.log (rc {r.rc}):")
+                    print((logs / f"baseline{r.key}.log").read_text()[-4000:])
                 print("baseline failed: the mutants would prove nothing")
                 return 1
-        for m in mutants:
-            path = tree / m.file
-            text = path.read_text()
-            path.write_text(text.replace(m.original, m.replacement, 1))
-            t0, c0 = time.monotonic(), _children_cpu()
-            try:
-                rc = run(tree, list(m.tests), args.timeout, logs / f"{m.id}.log")
-            finally:
-                path.write_text(text)
-            secs, cpu = time.monotonic() - t0, _children_cpu() - c0
+        queue = list(mutants)
+        busy: dict[int, tuple[Mutant, str]] = {}  # worker -> (mutant, its file's text)
+        while queue or busy:
+            while queue and runner.free():
+                i = next(i for i in range(args.workers) if i not in busy)
+                m = queue.pop(0)
+                path = trees[i] / m.file
+                text = path.read_text()
+                path.write_text(text.replace(m.original, m.replacement, 1))
+                busy[i] = (m, text)
+                runner.start(i, trees[i], list(m.tests), args.timeout, logs / f"{m.id}.log")
+            done = runner.wait()
+            m, text = busy.pop(done.key)
+            (trees[done.key] / m.file).write_text(text)
+            cpu_total += done.cpu_s
             # pytest: 1 = tests failed; 2-4 = collection/usage errors still mean
             # the bug broke the tests; 5 = nothing collected is a list error.
-            if rc == 5:
+            if done.rc == 5:
                 result = "NO TESTS"
-            elif rc == 0:
+            elif done.rc == 0:
                 result = "SURVIVED"
-            elif rc == -9:
+            elif done.rc == -9:
                 result = "caught (timeout)"
             else:
                 result = "caught"
             failed |= result in ("SURVIVED", "NO TESTS")
             why = first_error(logs / f"{m.id}.log") if result.startswith("caught") else ""
-            rows.append((m, result, secs, cpu))
-            print(f"  {m.id:26s} {result:16s} {secs:6.1f} s {cpu:6.1f} s CPU  {why}", flush=True)
+            rows.append((m, result, done.wall_s, done.cpu_s))
+            print(
+                f"  {m.id:26s} {result:16s} {done.wall_s:6.1f} s {done.cpu_s:6.1f} s CPU  {why}",
+                flush=True,
+            )
     finally:
+        for pid in list(runner.jobs):
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         if args.keep:
             print(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
 
     total = time.monotonic() - t_start
+    order = {m.id: i for i, m in enumerate(MUTANTS)}
+    rows.sort(key=lambda r: order[r[0].id])
     print()
     print("| id | file | planted bug | result | wall s | CPU s |")
     print("|---|---|---|---|---|---|")
@@ -707,10 +773,12 @@ def main(argv=None) -> int:
             f"| {m.id} | {m.file.split('/')[-1]} | {m.what} | {result} | {secs:.0f} | {cpu:.0f} |"
         )
     caught = sum(r.startswith("caught") for _, r, _, _ in rows)
-    cpu_total = _children_cpu() - cpu_start
+    slowest = sorted(rows, key=lambda r: -r[3])[:5]
     print(
-        f"\n{caught}/{len(rows)} mutants caught; total {total / 60:.1f} min wall, "
-        f"{cpu_total / 60:.1f} min CPU in the test runs"
+        f"\n{caught}/{len(rows)} mutants caught; total {total / 60:.1f} min wall with "
+        f"{args.workers} workers, {cpu_total / 60:.1f} min CPU in the test runs "
+        "(baseline included); most CPU: "
+        + ", ".join(f"{m.id} {cpu:.0f} s" for m, _, _, cpu in slowest)
     )
     return 1 if failed else 0
 
