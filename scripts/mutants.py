@@ -242,8 +242,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-unpermute",
         MOE,
-        "final = weighted[inv].reshape(t, k, h).sum(axis=1)",
-        "final = weighted[order].reshape(t, k, h).sum(axis=1)",
+        'rows = jnp.take(out, inv, axis=0, unique_indices=True, mode="clip")',
+        'rows = jnp.take(out, order, axis=0, unique_indices=True, mode="clip")',
         (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
         "moe: rows unpermuted with the forward permutation",
     ),
@@ -266,8 +266,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-weights-cast",
         MOE,
-        "w = top_k_weights.reshape(-1)[order].astype(jnp.float32)",
-        "w = top_k_weights.reshape(-1)[order].astype(jnp.bfloat16)",
+        "w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.float32), 0.0)",
+        "w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.bfloat16), 0.0)",
         (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[qwen_mixtral]",),
         "moe: routing weights rounded to bf16 (wrong cast)",
     ),
