@@ -305,6 +305,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "forward: mask dropped from the logits",
     ),
     Mutant(
+        "fa-fwd-slab-offset",
+        FA,
+        "tile(False, pl.multiple_of(a * prm.slab, prm.slab), prm.slab, 0, bkv)",
+        "tile(False, pl.multiple_of(0 * prm.slab, prm.slab), prm.slab, 0, bkv)",
+        (f"{T_FA}::test_forward_slabs_match_reference",),
+        "forward: every slab step computes the block's first rows",
+    ),
+    Mutant(
+        "fa-fwd-slab-count",
+        FA,
+        "lax.fori_loop(0, br // prm.slab, body, 0)",
+        "lax.fori_loop(0, br // prm.slab - 1, body, 0)",
+        (f"{T_FA}::test_forward_slabs_match_reference",),
+        "forward: the last slab of a fully visible pair skipped",
+    ),
+    Mutant(
         "fa-fwd-sinks",
         FA,
         "l = l * keep + jnp.exp(sink - m_fin)",

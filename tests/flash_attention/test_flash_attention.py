@@ -39,6 +39,11 @@ SMALL = tiling.BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_b
 SUBTILED = tiling.BlockSizes(
     block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256, sub_block=128
 )
+# Fully visible pairs of 256-position blocks computed 64 matmul rows a step
+# (G = 1/2/4/8 heads: 64/32/16/8 positions a slab): the forward's slab loop.
+SLABBED = tiling.BlockSizes(
+    block_q=256, block_kv=128, block_q_bwd=128, block_kv_bwd=128, slab_rows=64
+)
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 SCALES = [None, 0.05, 0.3]  # softmax_scale: default 1/sqrt(D), and two others
 
@@ -219,7 +224,7 @@ def dense_cases(draw):
         with_sinks=draw(st.booleans()),
         segments=segments,
         scale=draw(st.sampled_from(SCALES)),
-        block_sizes=draw(st.sampled_from([SMALL, SUBTILED])),
+        block_sizes=draw(st.sampled_from([SMALL, SUBTILED, SLABBED])),
     )
 
 
@@ -246,6 +251,24 @@ def test_softmax_scale_reaches_every_kernel(dtype, scale):
     _dense_case(
         seed=11, hq=4, hkv=2, sq=200, skv=260, dtype=dtype, causal=True, softcap=5.0, scale=scale
     )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_slabs_match_reference(causal):
+    # 300 keys: two full kv blocks and a masked tail; the slab loop must be
+    # the path the fully visible pairs take (16 positions x 4 heads a step).
+    plan = tiling.plan(
+        generation="v6e",
+        q_len=300,
+        kv_len=300,
+        group=4,
+        head_dim=64,
+        head_dim_v=64,
+        itemsize=4,
+        block_sizes=SLABBED,
+    )
+    assert tiling.slab(plan.fwd, plan.slab_rows, 4) == 16
+    _dense_case(seed=5, hq=8, hkv=2, sq=300, skv=300, d=64, causal=causal, block_sizes=SLABBED)
 
 
 def test_gqa_8_causal_cross_lengths_f32():
@@ -775,6 +798,8 @@ def test_oversized_block_sizes_raise_with_need_and_budget():
 def test_block_sizes_validation():
     with pytest.raises(ValueError, match="block_kv"):
         tiling.BlockSizes(512, 500, 512, 512)
+    with pytest.raises(ValueError, match="slab_rows"):
+        tiling.BlockSizes(512, 512, 512, 512, slab_rows=100)
     with pytest.raises(ValueError, match="generation"):
         tiling.check_generation("v4")
 

@@ -93,6 +93,7 @@ def _params(
     has_sinks,
     generation,
     sub_block,
+    slab_rows=0,
 ):
     left, right = _band(causal, pb.left, pb.right)
     return KernelParams(
@@ -111,6 +112,7 @@ def _params(
         has_sinks=has_sinks,
         vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
         sub=bsched.sub_tiles(geom, sub_block, eligible=not (has_qpos or has_segments)),
+        slab=tiling.slab(geom, slab_rows, 1 if geom.seq_major else pb.group),
     )
 
 
@@ -224,7 +226,7 @@ def _dense_call(
     q_offset = pb.kv_len - pb.q_len
     grp = pb.group
 
-    def prm(geom):
+    def prm(geom, slab_rows=0):
         return _params(
             geom,
             pb,
@@ -237,9 +239,12 @@ def _dense_call(
             has_sinks=sinks is not None,
             generation=generation,
             sub_block=plan.sub_block,
+            slab_rows=slab_rows,
         )
 
-    st = _Static(prm(plan.fwd), prm(plan.dkdv), prm(plan.dq), bool(interpret), has_seg)
+    st = _Static(
+        prm(plan.fwd, plan.slab_rows), prm(plan.dkdv), prm(plan.dq), bool(interpret), has_seg
+    )
     kw = dict(
         q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right, segmented=has_seg
     )
@@ -325,7 +330,7 @@ def _varlen_call(
         "kseg": kseg[None, None, :].astype(jnp.int32),
     }
 
-    def prm(geom):
+    def prm(geom, slab_rows=0):
         return _params(
             geom,
             pb,
@@ -338,9 +343,12 @@ def _varlen_call(
             has_sinks=sinks is not None,
             generation=generation,
             sub_block=plan.sub_block,
+            slab_rows=slab_rows,
         )
 
-    st = _Static(prm(plan.fwd), prm(plan.dkdv), prm(plan.dq), bool(interpret), False)
+    st = _Static(
+        prm(plan.fwd, plan.slab_rows), prm(plan.dkdv), prm(plan.dq), bool(interpret), False
+    )
 
     # [T, H, D] <-> [1, H, T, D] kernel layout; per-row [H, T] <-> [1, H, T].
     def kv_in(x):

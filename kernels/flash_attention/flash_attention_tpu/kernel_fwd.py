@@ -72,6 +72,7 @@ class KernelParams:
     has_sinks: bool
     vmem_limit: int
     sub: tuple[int, int] | None  # (rows, keys) sub-tile of masked pairs; None: whole
+    slab: int | None = None  # positions per step over fully visible pairs; None: whole
 
     @property
     def heads_in_block(self) -> int:
@@ -198,15 +199,19 @@ def _zero_tail_rows(x, valid_col):
 
 
 def _rows(ref, r0, rc):
-    """Rows r0:r0+rc of every head of a (Gb, br, ...) block (static slice)."""
-    return ref[...] if rc == ref.shape[1] else ref[:, r0 : r0 + rc]
+    """Rows r0:r0+rc of every head of a (Gb, br, ...) block (r0 static or traced)."""
+    if rc == ref.shape[1]:
+        return ref[...]
+    return ref[:, r0 : r0 + rc] if isinstance(r0, int) else ref[:, pl.ds(r0, rc)]
 
 
 def _set_rows(ref, r0, rc, x):
     if rc == ref.shape[1]:
         ref[...] = x
-    else:
+    elif isinstance(r0, int):
         ref[:, r0 : r0 + rc] = x
+    else:
+        ref[:, pl.ds(r0, rc)] = x
 
 
 def _keys(ref, k0, ck):
@@ -254,7 +259,19 @@ def _run_pair(prm, i, j, flags, tile):
 
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
-        tile(False, 0, br, 0, bkv)
+        if prm.slab is None:
+            tile(False, 0, br, 0, bkv)
+            return
+
+        # A whole-block score tile is scheduled as one long chain (all MXU
+        # pops, then every row max, every exp, the PV matmul), its f32 tile
+        # spilled to VMEM between them; slabs of ~256 matmul rows in a loop
+        # keep each chain short (v6e d=128: 8,957 -> 5,408 bundles a pair).
+        def body(a, carry):
+            tile(False, pl.multiple_of(a * prm.slab, prm.slab), prm.slab, 0, bkv)
+            return carry
+
+        lax.fori_loop(0, br // prm.slab, body, 0)
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,14 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   sub-tiles and only sub-tiles with a visible entry are computed, so a
   diagonal pair costs about half a block: 256 matches the v6e/tpu7x MXU
   (256 wide), 128 the v5e MXU.
+* Forward slabs (`slab_rows`). The compiler schedules a whole-block score
+  tile as one dependency chain: every MXU result pop (one f32 vreg a
+  bundle), then the row maxima, every exp, the PV matmul, with the f32 tile
+  spilled to VMEM between them. A loop over slabs of the block's rows keeps
+  each chain short. Scheduled v6e, T = 8k causal, 32/8 heads: 256 rows a
+  slab takes d=64/128/256 from 4,749/4,821/5,011 to 3,953/3,981/4,158 us
+  (128 or 512 rows: slower); tpu7x d=128, 512 rows: 3,307 -> 3,244 (256
+  rows: 3,360).
 * Backward blocks are smaller: the dK/dV kernel keeps four rows x block_kv
   f32 temporaries live (s, p, dp, ds).
 
@@ -65,6 +73,8 @@ class BlockSizes:
     max_rows: cap on stacked matmul rows (G * block_q) per block.
     sub_block: sub-tile edge for pairs the mask cuts (diagonal, window
       edges): only sub-tiles holding a visible entry reach the MXU.
+    slab_rows: forward only: matmul rows whose scores one loop step computes
+      in a fully visible pair (0: the whole block at once). See slab().
     """
 
     block_q: int
@@ -73,8 +83,13 @@ class BlockSizes:
     block_kv_bwd: int
     max_rows: int = 2048
     sub_block: int = 256
+    slab_rows: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.slab_rows, int) or self.slab_rows < 0 or self.slab_rows % 8:
+            raise ValueError(
+                f"slab_rows: expected 0 or a positive multiple of 8, got {self.slab_rows!r}"
+            )
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "max_rows", "sub_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -86,8 +101,8 @@ class BlockSizes:
                 )
 
 
-def _b(q, kv, qb, kvb, rows=2048, sub=256):
-    return BlockSizes(q, kv, qb, kvb, rows, sub)
+def _b(q, kv, qb, kvb, rows=2048, sub=256, slab=0):
+    return BlockSizes(q, kv, qb, kvb, rows, sub, slab)
 
 
 # (generation, regime, head-dim class) -> block sizes. Head-dim class is
@@ -99,13 +114,13 @@ BLOCK_TABLE = {
     ("v5e", "decode", 128): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
-    ("v6e", "prefill", 128): _b(512, 512, 512, 512),
-    ("v6e", "prefill", 192): _b(512, 512, 256, 512),
-    ("v6e", "prefill", 256): _b(512, 512, 256, 512),
+    ("v6e", "prefill", 128): _b(512, 512, 512, 512, slab=256),
+    ("v6e", "prefill", 192): _b(512, 512, 256, 512, slab=256),
+    ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=256),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
-    ("tpu7x", "prefill", 128): _b(512, 1024, 512, 512),
+    ("tpu7x", "prefill", 128): _b(512, 1024, 512, 512, slab=512),
     ("tpu7x", "prefill", 192): _b(512, 512, 256, 512),
     ("tpu7x", "prefill", 256): _b(256, 512, 256, 512),
     ("tpu7x", "decode", 128): _b(64, 4096, 64, 1024, 1024),
@@ -248,6 +263,7 @@ class Plan:
     dq: Geometry
     generation: str
     sub_block: int
+    slab_rows: int = 0
 
 
 def plan(
@@ -299,7 +315,7 @@ def plan(
         budget = VMEM_BUDGET_BYTES[generation]
         over = [(k, n) for k, n in needs if n > budget]
         if not over:
-            return Plan(fwd, dkdv, dq, generation, bs.sub_block)
+            return Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows)
         if explicit:
             check_vmem(*over[0], generation)
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
@@ -316,3 +332,17 @@ def plan(
             )
         else:
             check_vmem(*over[0], generation)
+
+
+def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
+    """Positions per forward loop step over a fully visible pair, or None (whole block).
+
+    A slab holds every stacked head's rows of `slab_rows // heads_in_block`
+    positions; it must be a multiple of 8 positions that divides the block.
+    """
+    if not slab_rows or geom.seq_major:
+        return None
+    pos = slab_rows // heads_in_block
+    if pos < 8 or pos % 8 or pos >= geom.block_pos or geom.block_pos % pos:
+        return None
+    return pos
