@@ -795,6 +795,25 @@ def test_oversized_block_sizes_raise_with_need_and_budget():
         )
 
 
+def test_long_sequences_take_the_long_table_entry():
+    def fwd(gen, q_len, kv_len):
+        p = tiling.plan(
+            generation=gen,
+            q_len=q_len,
+            kv_len=kv_len,
+            group=4,
+            head_dim=128,
+            head_dim_v=128,
+            itemsize=2,
+        )
+        return p.fwd.block_kv, p.slab_rows
+
+    assert fwd("v6e", 8192, 8192) == (1024, 256)
+    assert fwd("v6e", 2048, 2048) == (512, 256)
+    assert fwd("v6e", 2048, 8192) == (512, 256)  # short queries: the diagonal still matters
+    assert fwd("tpu7x", 8192, 8192) == fwd("tpu7x", 2048, 2048)  # no long entry: prefill's
+
+
 def test_block_sizes_validation():
     with pytest.raises(ValueError, match="block_kv"):
         tiling.BlockSizes(512, 500, 512, 512)
