@@ -96,6 +96,8 @@ def _params(
     slab_rows=0,
 ):
     left, right = _band(causal, pb.left, pb.right)
+    slab = tiling.slab(geom, slab_rows, 1 if geom.seq_major else pb.group)
+    sub = bsched.sub_tiles(geom, sub_block, eligible=not (has_qpos or has_segments), rows=slab)
     return KernelParams(
         geom=geom,
         group=pb.group,
@@ -111,8 +113,8 @@ def _params(
         has_segments=has_segments,
         has_sinks=has_sinks,
         vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
-        sub=bsched.sub_tiles(geom, sub_block, eligible=not (has_qpos or has_segments)),
-        slab=tiling.slab(geom, slab_rows, 1 if geom.seq_major else pb.group),
+        sub=sub,
+        slab=slab,
     )
 
 
