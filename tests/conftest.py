@@ -6,6 +6,15 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Interpret-mode tests are mostly XLA:CPU compiles of small programs, and
+# LLVM's optimisation is most of a compile: at level 0 a flash attention case
+# costs about half the CPU time, with the same HLO (the numerics under test).
+# libtpu writes the same LLO with or without it (the TPU compiles are checked
+# for what the chip would run). Set before any backend starts.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -228,7 +228,9 @@ def dense_cases(draw):
     )
 
 
-@settings(max_examples=14, **HYP)
+# 10 draws: the targeted cases below pin each feature (head dims, scales, GQA 8,
+# decode, segments, sub-tiles); the draws mix them. Each draw is ~3 compiles.
+@settings(max_examples=10, **HYP)
 @given(dense_cases())
 def test_dense_matches_reference(case):
     _dense_case(**case)
@@ -497,7 +499,8 @@ def _varlen_case(
             np.testing.assert_array_equal(np.asarray(grads[0][cq[s] : cq[s + 1]], np.float32), 0.0)
 
 
-@settings(max_examples=6, **HYP)
+# 4 draws: the varlen cases below pin empty, single-token and many sequences.
+@settings(max_examples=4, **HYP)
 @given(varlen_cases())
 def test_varlen_matches_reference(case):
     _varlen_case(**case)
