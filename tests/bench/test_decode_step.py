@@ -138,3 +138,18 @@ def test_markdown_and_plot_from_fake_rows(tmp_path):
     png = tmp_path / "p.png"
     ds.plot(str(png), rows)
     assert png.stat().st_size > 1000
+
+
+def test_moe_layer_us_says_what_the_figure_is():
+    ok = {"status": "ok", "scheduled_us": 300.0, "modeled_us": 200.0, "compiles": True}
+    rec = {"per_generation": {"v6e": ok}}
+    assert ds.moe_layer_us(rec, "v6e") == (300.0, "scheduled")
+    floor = dict(ok, notes=["XLA's estimated cycles (1 µs) exceed 100x ...: not used"])
+    us, kind = ds.moe_layer_us({"per_generation": {"v6e": floor}}, "v6e")
+    assert us == 300.0 and "lower bound" in kind
+    ideal = dict(ok, scheduled_us=None, compiles=False)
+    us, kind = ds.moe_layer_us({"per_generation": {"v6e": ideal}}, "v6e")
+    assert us == 200.0 and "ideal" in kind and "does not compile" in kind
+    skip = {"status": "skipped", "reason": "dims < 128"}
+    us, kind = ds.moe_layer_us({"per_generation": {"v6e": skip}}, "v6e")
+    assert us is None and "dims < 128" in kind
