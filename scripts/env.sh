@@ -14,6 +14,9 @@ unset _paths _d
 # libtpu is installed; without a TPU, JAX would try (and fail) to open one.
 if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+  # Nor is there a TPU VM metadata server to ask for the topology: without this,
+  # torch_tpu's first backward was seen retrying that query for over 10 minutes.
+  export TPU_SKIP_MDS_QUERY="${TPU_SKIP_MDS_QUERY:-1}"
 fi
 # Tests and helpers start several processes that load libtpu (compile gate, subprocess loads).
 export ALLOW_MULTIPLE_LIBTPU_LOAD="${ALLOW_MULTIPLE_LIBTPU_LOAD:-1}"
