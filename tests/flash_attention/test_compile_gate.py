@@ -75,7 +75,9 @@ def gate_program(point) -> GateProgram:
 
     Candidate cover: the bwd point at the longest prefill length of the same
     generation, head_dim and mask. Prefill lengths of 1k and more get the same
-    blocks from the table (block_q <= 1k), and the length then only sets the
+    blocks from the table (block_q <= 1k; except v6e below 4k, whose forward
+    keeps 512-key blocks: those points differ from the cover and compile
+    themselves), and the length then only sets the
     sequence extents, the scalar mask bounds and the block schedule's length
     (SMEM): the 32k bwd program holds every VMEM buffer and vector shape of the
     shorter ones, and of the fwd kernel, whose launch is the one its bwd makes.
