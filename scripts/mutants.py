@@ -248,6 +248,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: rows unpermuted with the forward permutation",
     ),
     Mutant(
+        "rd-hbm-view-ignored",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "    return swapped < as_given",
+        "    return False",
+        (
+            "tests/ragged_dot/test_hbm_layout.py::test_swap_rule_predicts_the_compilers_weight_layout[tpu7x]",
+        ),
+        "ragged_dot: weights handed to the kernels row-major whatever XLA's layout (a copy per call)",
+    ),
+    Mutant(
+        "rd-bwd-cotangent-dtype",
+        RD,
+        "    grad = grad.astype(lhs.dtype)\n",
+        "",
+        (f"{T_GMM}::test_bf16_inputs_with_f32_output_and_grads",),
+        "ragged_dot backward: an f32 cotangent of bf16 inputs not rounded once for the MXU",
+    ),
+    Mutant(
         "moe-interleave",
         MOE,
         "gate, up = h[:, 0::2], h[:, 1::2]",

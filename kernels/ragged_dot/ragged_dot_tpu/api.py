@@ -35,11 +35,23 @@ def _configs(config):
     )
 
 
+def _hbm_view(rhs, transpose_rhs):
+    """(rhs as the kernels read it, its transpose_rhs, whether it was swapped).
+
+    The kernels take rhs as XLA lays it out in HBM (tiling.weight_minor_swapped):
+    the swap is a bitcast there, not the copy of every expert's weights that a
+    row-major request would cost."""
+    if tiling.weight_minor_swapped(rhs.shape):
+        return jnp.swapaxes(rhs, 1, 2), not transpose_rhs, True
+    return rhs, transpose_rhs, False
+
+
 def ragged_dot_fwd(
     lhs, rhs, group_sizes, group_offset, *, transpose_rhs, preferred_element_type, config, interpret
 ):
     """Forward rule: (out, residuals). No residuals: the backward needs only the inputs."""
     fwd, _, _ = _configs(config)
+    rhs, transpose_rhs, _ = _hbm_view(rhs, transpose_rhs)
     out = gmm(
         lhs,
         rhs,
@@ -59,6 +71,10 @@ def ragged_dot_bwd(
     """Backward rule: (d_lhs, d_rhs, None, None) from the inputs and the output cotangent."""
     lhs, rhs, group_sizes, group_offset = args
     _, cfg_lhs, cfg_rhs = _configs(config)
+    rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
+    # The MXU runs in the inputs' dtype: a wider cotangent (f32 output of bf16
+    # inputs) is rounded once, here, whichever operand of tgmm it becomes.
+    grad = grad.astype(lhs.dtype)
     # rhs as [G, K, N]: d_lhs contracts grad with rhs on N (transposed read);
     # rhs as [G, N, K] (transpose_rhs): the same weights are already [G, N, K]
     # from d_lhs's point of view, so it is a plain gmm.
@@ -94,6 +110,8 @@ def ragged_dot_bwd(
             config=cfg_rhs,
             interpret=interpret,
         )
+    if swapped:
+        d_rhs = jnp.swapaxes(d_rhs, 1, 2)
     return d_lhs, d_rhs, None, None
 
 

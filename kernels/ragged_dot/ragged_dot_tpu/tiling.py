@@ -218,6 +218,24 @@ def _limit(need: int, gen: Generation) -> int:
     return tpu_info.vmem_limit_bytes(gen.name)
 
 
+def weight_minor_swapped(shape) -> bool:
+    """Whether XLA's TPU layout for a weight [G, a, b] keeps a, not b, in lanes.
+
+    XLA stores an array so that its (8, 128) tiles pad it least: a weight whose
+    last dim is not a multiple of 128 but whose middle dim is (tensor-parallel
+    shards: Qwen3-30B-A3B's [E, H, I/8] = [128, 2048, 96]) lives as
+    [G][b][a], i.e. with layout {1, 2, 0}. A kernel that asks for it row-major
+    makes XLA copy every expert's weights in HBM on every call (at TP-8 that
+    copy was 8x the kernel's own time at one token). Handing the kernel the
+    swapped view instead ([G, b, a], a bitcast of the same bytes) and
+    contracting on the other axis reads it in place. Ties keep the logical order.
+    """
+    _, a, b = shape
+    as_given = round_up(a, 8) * _lane(b)
+    swapped = round_up(b, 8) * _lane(a)
+    return swapped < as_given
+
+
 def piece(block_n: int) -> int:
     """Columns per MXU pass over a slab: 512 (or 256/128) when that divides it."""
     for p in (512, 256, 128):
