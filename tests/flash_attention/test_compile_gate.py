@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import pytest
 
 from flash_attention_tpu import api as fa
+from flash_attention_tpu import tiling as fa_tiling
 from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
 
 HQ, HKV = 32, 8
@@ -70,16 +71,23 @@ def _fn(generation, mask, kind):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
+def _cover_len(generation, head_dim, seq):
+    """The longest prefill length whose table entry (blocks) is this length's:
+    v6e's forward takes 1024-key blocks from 4k tokens, so its 1k points are
+    covered by the 1k bwd program (fwd) or compile themselves (bwd)."""
+    dclass = fa_tiling.head_dim_class(head_dim, head_dim)
+    entry = fa_tiling._entry(generation, seq, seq, dclass)
+    return max(s for s in PREFILL if fa_tiling._entry(generation, s, s, dclass) == entry)
+
+
 def gate_program(point) -> GateProgram:
     """The program a point compiles (called in the gate's worker processes).
 
-    Candidate cover: the bwd point at the longest prefill length of the same
-    generation, head_dim and mask. Prefill lengths of 1k and more get the same
-    blocks from the table (block_q <= 1k; except v6e below 4k, whose forward
-    keeps 512-key blocks: those points differ from the cover and compile
-    themselves), and the length then only sets the
-    sequence extents, the scalar mask bounds and the block schedule's length
-    (SMEM): the 32k bwd program holds every VMEM buffer and vector shape of the
+    Candidate cover: the bwd point of the same generation, head_dim and mask at
+    the longest prefill length with the same table entry (_cover_len). Within
+    an entry the blocks are equal, and the length only sets the sequence
+    extents, the scalar mask bounds and the block schedule's length (SMEM):
+    the longest bwd program holds every VMEM buffer and vector shape of the
     shorter ones, and of the fwd kernel, whose launch is the one its bwd makes.
     Each point is traced against it (tests/gate.py) and compiled if it differs.
     """
@@ -92,7 +100,13 @@ def gate_program(point) -> GateProgram:
         spec((1, HKV, kv_len, head_dim)),
         spec((1, HKV, kv_len, head_dim)),
     ]
-    cover = (generation, head_dim, seq if seq == DECODE else PREFILL[-1], mask, "bwd")
+    cover = (
+        generation,
+        head_dim,
+        seq if seq == DECODE else _cover_len(generation, head_dim, seq),
+        mask,
+        "bwd",
+    )
     return GateProgram(
         _fn(generation, mask, kind),
         args,

@@ -168,6 +168,8 @@ def test_ragged_dot_fwd_and_grads_match_references(problem):
         (40, 72, 100, [0, 0, 40, 0]),  # every row in one group
         (50, 64, 256, [7, 0, 0, 20]),  # sum < M: tail rows must be zero
         (64, 256, 256, [0, 0, 0, 0]),  # nothing to do: all zeros, no DMA
+        # N unaligned and wider than a piece: 256-column pieces, then a 44-wide tail
+        (24, 136, 300, [9, 0, 11]),
     ],
 )
 def test_gmm_edge_cases(dtype, m, k, n, sizes):

@@ -283,8 +283,7 @@ def _gmm_kernel(
     na = state_ref[0]
     tile_lo = t_i * block_m
     tile_hi = jnp.minimum(tile_lo + block_m, m)
-    piece_n = tiling.piece(block_n)
-    n_pieces = block_n // piece_n
+    piece_n, n_pieces, tail_n = tiling.gmm_pieces(block_n)
 
     def process(a, lo, hi):
         q = n_i * na + a
@@ -313,22 +312,26 @@ def _gmm_kernel(
 
             # The slab is consumed in piece_n-column pieces so the unrolled MXU
             # code (and its f32 temporaries) stays small however wide the slab is.
-            def piece(c, carry):
-                c0 = pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0
+            def columns(c0, width):
                 if transpose_rhs:
-                    w = wbuf[slot, pl.ds(c0, piece_n), :]
+                    w = wbuf[slot, pl.ds(c0, width), :]
                     dims = (((1,), (1,)), ((), ()))
                 else:
-                    w = wbuf[slot, :, pl.ds(c0, piece_n)]
+                    w = wbuf[slot, :, pl.ds(c0, width)]
                     dims = (((1,), (0,)), ((), ()))
                 y = lax.dot_general(
                     x, w, dims, precision=precision, preferred_element_type=jnp.float32
                 )
-                dst = (pl.ds(r0, size), pl.ds(c0, piece_n))
+                dst = (pl.ds(r0, size), pl.ds(c0, width))
                 out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
+
+            def piece(c, carry):
+                columns(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)
                 return carry
 
             for_each_piece(n_pieces, piece)
+            if tail_n:
+                columns(n_pieces * piece_n, tail_n)
 
         row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
 

@@ -236,6 +236,19 @@ def weight_minor_swapped(shape) -> bool:
     return swapped < as_given
 
 
+def gmm_pieces(block_n: int) -> tuple[int, int, int]:
+    """(piece width, full pieces, tail width) of a gmm weight slab.
+
+    An aligned slab is consumed in `piece` columns. An unaligned one (GPT-OSS:
+    N = 2880) goes in 256-column pieces and one narrower tail: as a single
+    2880-wide piece, a transposed slab ([N, K], d_lhs) made Mosaic emit one
+    unrolled transpose of the whole slab (17-32 s to compile one kernel)."""
+    p = piece(block_n)
+    if p == block_n and block_n > 256:
+        return 256, block_n // 256, block_n % 256
+    return p, block_n // p, 0
+
+
 def piece(block_n: int) -> int:
     """Columns per MXU pass over a slab: 512 (or 256/128) when that divides it."""
     for p in (512, 256, 128):
@@ -282,9 +295,11 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     need += buffers * round_up(k, 16) * np_ * wb  # the weight stream's slots
     # Row passes: the lhs rows (cast), the f32 product, the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
-    pp = _lane(piece(bn))
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
-    need += rows * kp * 4 + 2 * rows * pp * 4 + rows * pp * ob
+    need += rows * kp * 4
+    p, _, tail = gmm_pieces(bn)
+    for pp in (_lane(p), _lane(tail) if tail else 0):
+        need += 2 * rows * pp * 4 + rows * pp * ob
     return need
 
 
