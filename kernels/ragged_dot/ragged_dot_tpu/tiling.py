@@ -242,10 +242,10 @@ def gmm_pieces(block_n: int) -> tuple[int, int, int]:
     An aligned slab is consumed in `piece` columns. An unaligned one (GPT-OSS:
     N = 2880) goes in 256-column pieces and one narrower tail: as a single
     2880-wide piece, a transposed slab ([N, K], d_lhs) made Mosaic emit one
-    unrolled transpose of the whole slab (17-32 s to compile one kernel)."""
-    p = piece(block_n)
-    if p == block_n and block_n > 256:
+    unrolled transpose of the whole slab (17 s to compile one kernel)."""
+    if block_n % 128 and block_n > 256:
         return 256, block_n // 256, block_n % 256
+    p = piece(block_n)
     return p, block_n // p, 0
 
 
