@@ -24,7 +24,7 @@ import torch
 
 REPO = "tpu-kernels/flash-attention-tpu"
 NAME = "flash-attention-tpu"
-VOCAB, SEQ, NEW = 96, 8, 4
+VOCAB, SEQ, NEW = 96, 8, 2
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from rmsnorm_tpu import api, kernel, reference, tiling
 from tolerances import assert_close
@@ -77,6 +77,7 @@ EPS = [1e-6, 1e-5, 0.1]
 X_SCALES = [1.0, 1e-3]
 
 
+@settings(max_examples=6)
 @given(
     shape=shapes,
     dtype=st.sampled_from(DTYPES),
@@ -95,6 +96,7 @@ def test_forward_matches_reference(shape, dtype, gemma, eps, x_scale, small, see
     _check_forward(y, x, w, eps, gemma)
 
 
+@settings(max_examples=6)
 @given(
     shape=shapes,
     dtype=st.sampled_from(DTYPES),
@@ -114,6 +116,7 @@ def test_fused_residual_matches_reference(shape, dtype, gemma, eps, small, seed)
     _check_forward(y, s_ref, w, eps, gemma)  # y normalises the sum as stored
 
 
+@settings(max_examples=6)
 @given(
     shape=shapes,
     dtype=st.sampled_from(DTYPES),
