@@ -20,10 +20,7 @@ TOKENS = 8192
 # fwd: plain; fwd_fused: residual add + Gemma's (1 + w); bwd_ds: with the
 # residual stream's gradient; bwd: without it.
 KINDS = ("fwd", "fwd_fused", "bwd_ds", "bwd")
-POINTS = [
-    (kind, hidden, generation)
-    for kind, hidden, generation in itertools.product(KINDS, HIDDEN, GENERATIONS)
-]
+POINTS = list(itertools.product(KINDS, HIDDEN, GENERATIONS))  # (kind, hidden, generation)
 # One token, hidden not a multiple of 128 (GPT-OSS): a full-extent block.
 DECODE_POINT = ("fwd", 2880, "v6e", 1)
 
