@@ -234,3 +234,143 @@ def check_varlen_values(
                 f"{mname}: expected at least the longest sequence ({longest} tokens "
                 f"in {name}), got {m}"
             )
+
+
+# ---------------------------------------------------------------------------
+# Decode over a KV cache (flash_attn_with_kvcache).
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheProblem:
+    """Normalised shape facts of one decode call."""
+
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    q_len: int
+    head_dim: int
+    head_dim_v: int
+    cache_len: int  # positions a sequence can hold (contiguous S, or pages x page)
+    page: int | None  # None: contiguous cache
+    max_pages: int  # paged: block_table columns; contiguous: 0
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def check_kvcache_inputs(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    cache_batch_idx=None,
+    sinks=None,
+) -> KvCacheProblem:
+    """Validates a decode call's arrays (shapes and dtypes); raises ValueError
+    naming the argument.
+
+    q [B, Sq, Hq, D]; k_cache [B_cache, S, Hkv, D] and v_cache [B_cache, S,
+    Hkv, Dv], or paged [num_pages, page, Hkv, D|Dv] with block_table int
+    [B, max_pages]; cache_seqlens int [B]; cache_batch_idx int [B] (the
+    cache row of each sequence; contiguous caches only); sinks float [Hq].
+    """
+    shapes = {}
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        s = _shape(x, name)
+        if len(s) != 4:
+            layout = (
+                "[batch, seq, heads, head_dim]"
+                if name == "q"
+                else (
+                    "[batch_cache, seq, kv_heads, head_dim] or paged [num_pages, page, kv_heads, head_dim]"
+                )
+            )
+            raise ValueError(f"{name}: expected a rank-4 array {layout}, got shape {s}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+        shapes[name] = s
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(
+            f"q, k_cache, v_cache: expected one dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
+            f"v_cache {v_cache.dtype}"
+        )
+    (b, sq, hq, d), (bc, s, hkv, dk), (bv, sv, hv, dv) = (
+        shapes["q"],
+        shapes["k_cache"],
+        shapes["v_cache"],
+    )
+    if (bv, sv, hv) != (bc, s, hkv):
+        raise ValueError(
+            f"v_cache: expected leading dims {(bc, s, hkv)} like k_cache, got {(bv, sv, hv)}"
+        )
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"k_cache: expected a number of kv heads dividing the {hq} query heads, got {hkv}"
+        )
+    if dk != d:
+        raise ValueError(f"k_cache: expected head_dim {d} like q, got {dk}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
+    if dv not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"v_cache: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {dv}")
+    if sq == 0:
+        raise ValueError("q: expected at least one query position, got seqlen_q 0")
+    _int_array(cache_seqlens, "cache_seqlens", (b,))
+    page, max_pages, cache_len = None, 0, s
+    if block_table is not None:
+        t = _shape(block_table, "block_table")
+        if len(t) != 2 or t[0] != b or t[1] == 0:
+            raise ValueError(
+                f"block_table: expected shape ({b}, max_pages) with max_pages >= 1, got {t}"
+            )
+        _int_array(block_table, "block_table", t)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: not accepted with block_table (paged caches)")
+        page, max_pages, cache_len = s, t[1], s * t[1]
+    elif bc < b and cache_batch_idx is None:
+        raise ValueError(
+            f"k_cache: expected at least batch {b} cache rows (or cache_batch_idx), got {bc}"
+        )
+    if cache_batch_idx is not None:
+        _int_array(cache_batch_idx, "cache_batch_idx", (b,))
+    if sinks is not None:
+        sh = _shape(sinks, "s_aux")
+        if sh != (hq,):
+            raise ValueError(f"s_aux: expected shape ({hq},) (one logit per query head), got {sh}")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"s_aux: expected a floating dtype, got {sinks.dtype}")
+    return KvCacheProblem(b, hq, hkv, sq, d, dv, cache_len, page, max_pages)
+
+
+def check_kvcache_values(
+    pb: KvCacheProblem, cache_seqlens, block_table=None, cache_batch_idx=None, num_cache_rows=0
+) -> None:
+    """Concrete values (NumPy): lengths within the cache, table entries and
+    cache rows within range (a wrong one would read another sequence's keys
+    or outside the cache)."""
+    lens = np.asarray(cache_seqlens)
+    if lens.size and (lens.min() < 0 or lens.max() > pb.cache_len):
+        raise ValueError(
+            f"cache_seqlens: expected values in [0, {pb.cache_len}] (the cache holds "
+            f"{pb.cache_len} positions per sequence), got {lens.tolist()}"
+        )
+    if block_table is not None:
+        table = np.asarray(block_table)
+        used = -(-lens // pb.page)  # pages each sequence reads
+        cols = np.arange(table.shape[1])[None, :] < used[:, None]
+        bad = cols & ((table < 0) | (table >= num_cache_rows))
+        if bad.any():
+            i, j = map(int, np.argwhere(bad)[0])
+            raise ValueError(
+                f"block_table: expected page indices in [0, {num_cache_rows}) for the pages "
+                f"cache_seqlens uses, got block_table[{i}, {j}] = {int(table[i, j])}"
+            )
+    if cache_batch_idx is not None:
+        idx = np.asarray(cache_batch_idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= num_cache_rows):
+            raise ValueError(
+                f"cache_batch_idx: expected values in [0, {num_cache_rows}), got {idx.tolist()}"
+            )

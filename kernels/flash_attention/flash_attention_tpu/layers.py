@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import flash_attention, flash_attention_varlen
+from .ops import flash_attention, flash_attention_kvcache, flash_attention_varlen
 
 
 def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
@@ -113,6 +113,123 @@ def flash_attn_varlen_func(
         softcap=softcap,
         softmax_scale=softmax_scale,
     )
+
+
+def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx):
+    """Writes k/v [B, S_new, Hkv, D] into the caches (in place) at each
+    sequence's positions lengths[b] .. lengths[b] + S_new - 1."""
+    b, s_new = k.shape[:2]
+    pos = lengths.to(torch.long)[:, None] + torch.arange(s_new, device=k.device)[None, :]
+    if block_table is None:
+        rows = torch.arange(b, device=k.device) if cache_batch_idx is None else cache_batch_idx
+        index = (rows.to(torch.long)[:, None].expand(b, s_new), pos)
+    else:
+        page = k_cache.shape[1]
+        index = (torch.gather(block_table.to(torch.long), 1, pos // page), pos % page)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    s_aux=None,
+):
+    """flash-attn's decode entry: q [B, Sq, Hq, D] over a KV cache -> out
+    [B, Sq, Hq, Dv] (and softmax_lse [B, Hq, Sq] f32 with return_softmax_lse).
+
+    k_cache/v_cache: [B_cache, S, Hkv, D|Dv], or paged [num_pages, page,
+    Hkv, D|Dv] with block_table int32 [B, max_pages]. cache_seqlens: int or
+    int32 [B], the keys already in each sequence's cache (None: the whole
+    contiguous cache). k/v [B, S_new, Hkv, D|Dv], if given, are written into
+    the caches in place at positions cache_seqlens .. + S_new, and attention
+    then covers cache_seqlens + S_new keys (cache_seqlens itself is not
+    updated, as in flash-attn). Queries are aligned to the bottom right of
+    each sequence's keys for causal and window_size. cache_batch_idx [B]:
+    each sequence's cache row (contiguous caches). s_aux [Hq]: attention
+    sinks. num_splits is accepted and ignored (the kernel splits the work
+    itself). Not supported (NotImplementedError): rotary_cos/rotary_sin,
+    cache_leftpad, alibi_slopes.
+    """
+    _unsupported(0.0, alibi_slopes, False)
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError(
+            "rotary_cos/rotary_sin: rotary embedding inside the kernel is not supported by "
+            "flash-attention-tpu; apply it to q and k before the call"
+        )
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: left-padded caches are not supported")
+    if (k is None) != (v is None):
+        raise ValueError("k, v: expected both (new keys and values to append) or neither")
+    batch = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() else 0
+    if cache_seqlens is None:
+        if block_table is not None:
+            raise ValueError("cache_seqlens: expected the lengths of a paged cache, got None")
+        cache_seqlens = k_cache.shape[1] - (0 if k is None else k.shape[1])
+    if not isinstance(cache_seqlens, torch.Tensor):
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+            raise ValueError(
+                f"cache_seqlens: expected an int or an int32 tensor [batch], got {cache_seqlens!r}"
+            )
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    lengths = cache_seqlens
+    if k is not None:
+        for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            if not isinstance(new, torch.Tensor) or new.dim() != 4:
+                raise ValueError(
+                    f"{name}: expected a tensor [batch, seqlen_new, kv_heads, head_dim]"
+                )
+            want = (batch, k.shape[1], *cache.shape[2:])
+            if tuple(new.shape) != want or new.dtype != cache.dtype:
+                raise ValueError(
+                    f"{name}: expected shape {list(want)} and dtype {cache.dtype} (the cache's), "
+                    f"got {list(new.shape)} {new.dtype}"
+                )
+        if cache_seqlens.shape != (batch,) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"cache_seqlens: expected an int32 tensor [{batch}], got "
+                f"{list(cache_seqlens.shape)} {cache_seqlens.dtype}"
+            )
+        lengths = cache_seqlens.to(torch.int32) + k.shape[1]
+        if lengths.device.type != "meta" and not torch.compiler.is_compiling():
+            capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+            if int(lengths.max()) > capacity or int(cache_seqlens.min()) < 0:
+                raise ValueError(
+                    f"cache_seqlens: expected values in [0, {capacity - k.shape[1]}] so that the "
+                    f"{k.shape[1]} new keys fit the cache, got {cache_seqlens.tolist()}"
+                )
+        _append_to_cache(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
+    out, lse = flash_attention_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        sinks=s_aux,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        softmax_scale=softmax_scale,
+    )
+    return (out, lse) if return_softmax_lse else out
 
 
 # -- transformers attention interface --------------------------------------------

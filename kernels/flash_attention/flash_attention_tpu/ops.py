@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import api, checks, reference
+from . import api, checks, kvcache, reference
 from ._torch_bindings import OpLibrary, validate
 from ._torch_bindings.convert import TensorSpec
 
@@ -266,6 +266,75 @@ _flash_attention_varlen = LIB.define_differentiable(
 )
 
 
+# -- decode over a KV cache -------------------------------------------------------
+
+
+def _kvcache_statics(causal, left, right, softcap, softmax_scale):
+    return dict(
+        causal=causal,
+        window_size=(left, right),
+        softcap=_softcap(softcap),
+        softmax_scale=softmax_scale,
+        return_lse=True,
+    )
+
+
+def _kvcache_kernel(
+    q, k_cache, v_cache, lengths, block_table, cache_batch_idx, sinks, *st, interpret
+):
+    return kvcache.flash_attention_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        sinks=sinks,
+        config=None,
+        interpret=interpret,
+        **_kvcache_statics(*st),
+    )
+
+
+def _kvcache_reference(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, sinks, *st):
+    statics = _kvcache_statics(*st)
+    del statics["return_lse"]
+    out, lse = reference.attention_kvcache_reference(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        sinks=sinks,
+        **statics,
+    )
+    return out.astype(q.dtype), lse
+
+
+def _kvcache_check(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, sinks, *_):
+    checks.check_kvcache_inputs(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        sinks=sinks,
+    )
+
+
+_flash_attention_kvcache = LIB.define(
+    "flash_attention_kvcache",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
+    "Tensor? cache_batch_idx, Tensor? sinks, bool causal, int window_left, int window_right, "
+    "float softcap, float softmax_scale) -> (Tensor, Tensor)",
+    kernel=_kvcache_kernel,
+    reference=_kvcache_reference,
+    check=_kvcache_check,
+)
+
+
 # -- public op wrappers ----------------------------------------------------------
 
 
@@ -387,3 +456,57 @@ def flash_attention_varlen(
             max_k,
         )
     return _flash_attention_varlen(*args)
+
+
+def flash_attention_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    cache_batch_idx=None,
+    sinks=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    softmax_scale=None,
+):
+    """Attention of q [B, Sq, Hq, D] over each sequence's first
+    cache_seqlens[b] cached keys -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] f32).
+
+    Caches contiguous [B_cache, S, Hkv, D] (cache_batch_idx picks each
+    sequence's row) or paged [num_pages, page, Hkv, D] with block_table
+    [B, max_pages]. Forward only. In eager mode the lengths, table entries
+    and cache rows are read once and checked against the cache.
+    """
+    validate.check_tensors(
+        ("block_table", "cache_batch_idx", "s_aux"),
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        s_aux=sinks,
+    )
+    left, right = checks.window(window_size)
+    softcap, scale = _scalars(softcap, softmax_scale, q.shape[-1] if q.dim() else 1)
+    lengths = _index_tensor(cache_seqlens)
+    table, rows = _index_tensor(block_table), _index_tensor(cache_batch_idx)
+    args = (q, k_cache, v_cache, lengths, table, rows, sinks, bool(causal), left, right)
+    args += (softcap, scale)
+    if all(t is None or _readable(t) for t in (lengths, table, rows)):
+        _flash_attention_kvcache.check_args(args)
+        sp = lambda t: None if t is None else validate.spec(t)  # noqa: E731
+        pb = checks.check_kvcache_inputs(
+            *map(sp, (q, k_cache, v_cache, lengths)),
+            block_table=sp(table),
+            cache_batch_idx=sp(rows),
+            sinks=sp(sinks),
+        )
+        values = lambda t: None if t is None else t.detach().cpu().numpy()  # noqa: E731
+        checks.check_kvcache_values(
+            pb, values(lengths), values(table), values(rows), num_cache_rows=k_cache.shape[0]
+        )
+    return _flash_attention_kvcache(*args)

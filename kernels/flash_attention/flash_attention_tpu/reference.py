@@ -145,3 +145,69 @@ def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     if not outs:
         return jnp.zeros((0, hq, dv), jnp.float32), jnp.zeros((hq, 0), jnp.float32)
     return jnp.concatenate(outs, axis=0), jnp.concatenate(lses, axis=1)
+
+
+def attention_kvcache_reference(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    block_table=None,
+    cache_batch_idx=None,
+    sinks=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=None,
+    softmax_scale=None,
+):
+    """flash_attn_with_kvcache's attention (no cache update), f32: (out
+    [B, Sq, Hq, Dv], lse [B, Hq, Sq]).
+
+    Each sequence's keys are gathered (block_table pages, or cache_batch_idx
+    rows) into [B, S, Hkv, D]; query i of sequence b sits at position
+    cache_seqlens[b] - Sq + i. Keys past the length are masked and their
+    values zeroed (whatever they hold). Empty rows: output 0, lse +inf.
+    """
+    b, sq, hq, d = q.shape
+    lens = jnp.asarray(cache_seqlens, jnp.int32)
+    if block_table is not None:
+        k = k_cache[block_table].reshape(b, -1, *k_cache.shape[2:])
+        v = v_cache[block_table].reshape(b, -1, *v_cache.shape[2:])
+    else:
+        rows = jnp.arange(b) if cache_batch_idx is None else jnp.asarray(cache_batch_idx)
+        k, v = k_cache[rows], v_cache[rows]
+    s_len, hkv = k.shape[1], k.shape[2]
+    grp = hq // hkv
+    kj = jnp.arange(s_len)[None, None, :]
+    qi = (lens[:, None] - sq + jnp.arange(sq)[None, :])[:, :, None]  # [B, Sq, 1]
+    valid = kj < lens[:, None, None]
+    mask = valid
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if right >= 0:
+        mask &= kj <= qi + right
+    if left >= 0:
+        mask &= kj >= qi - left
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    kf = jnp.repeat(k.astype(jnp.float32), grp, axis=2)
+    vf = jnp.where(valid[:, 0, :, None, None], v.astype(jnp.float32), 0.0)
+    vf = jnp.repeat(vf, grp, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision="highest") * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    m4 = mask[:, None]
+    s = jnp.where(m4, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32)[None, :, None, None])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(m4, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32)[None, :, None, None] - m)
+    empty = denom == 0.0
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(empty, 1.0, denom), vf, precision="highest")
+    lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))[..., 0]
+    return out, lse

@@ -366,3 +366,108 @@ def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
     if pos < 8 or pos % 8 or pos >= geom.block_pos or geom.block_pos % pos:
         return None
     return pos
+
+
+# ---------------------------------------------------------------------------
+# Decode over a KV cache (kernel_decode.py).
+#
+# The kernel is HBM-bound on the cache, so a step should move enough bytes to
+# hide the fixed per-step cost (0.35 us is ~560 KB at v6e's 1.6 TB/s): K
+# blocks of ~512 KiB, all kv heads of a step in one block up to 8. A paged
+# cache is read a page per input, so a step takes several pages (one block
+# spec each) to reach the same size.
+
+DECODE_TARGET_BYTES = 512 * 1024
+DECODE_MAX_BLOCK_KV = 4096
+DECODE_MIN_BLOCK_KV = 128
+DECODE_MAX_PAGES_PER_STEP = 16
+DECODE_MAX_ROWS = 1024  # heads x rows of one q block (f32 accumulator rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Block sizes of one decode call; 0 = the default choice.
+
+    block_kv: cache positions a step reads (paged: rounded to whole pages).
+    heads_per_block: kv heads a step reads (a divisor of Hkv, a multiple of 8
+      or Hkv itself). block_rows: matmul rows (query position x head) of a q
+      block. splits: partial softmaxes the work list is cut into (one per
+      TensorCore of the device; more only for tests of the combine step).
+    """
+
+    block_kv: int = 0
+    heads_per_block: int = 0
+    block_rows: int = 0
+    splits: int = 0
+
+    def __post_init__(self):
+        for name in ("block_kv", "heads_per_block", "block_rows", "splits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0 (0 = default), got {value!r}")
+        if self.block_rows % 8:
+            raise ValueError(f"block_rows: expected a multiple of 8, got {self.block_rows}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    heads_per_block: int
+    block_rows: int
+    page: int  # positions per cache block input
+    pages_per_step: int
+    splits: int
+    vmem_need: int
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def decode_plan(
+    *,
+    generation: str,
+    num_kv_heads: int,
+    rows: int,
+    head_dim: int,
+    head_dim_v: int,
+    itemsize: int,
+    cache_len: int,
+    page: int | None,
+    max_pages: int,
+    block_sizes: DecodeBlockSizes | None = None,
+) -> DecodePlan:
+    """Blocks of one decode call. rows = q_len * group; page None: contiguous
+    cache of cache_len positions; else pages of `page` positions, max_pages
+    of them per sequence."""
+    bs = block_sizes or DecodeBlockSizes()
+    hkv = num_kv_heads
+    hb = bs.heads_per_block or (8 if hkv > 8 and hkv % 8 == 0 else hkv)
+    if hkv % hb or not (hb == hkv or hb % 8 == 0):
+        raise ValueError(
+            f"heads_per_block: expected a divisor of the {hkv} kv heads that is a multiple "
+            f"of 8 or {hkv} itself, got {hb}"
+        )
+    cap = max(8, (DECODE_MAX_ROWS // hb) // 8 * 8)
+    br = min(bs.block_rows or cap, rows)  # rows itself, or a multiple of 8
+    d_lanes = _lanes(head_dim)
+    want = bs.block_kv or min(
+        DECODE_MAX_BLOCK_KV,
+        max(DECODE_MIN_BLOCK_KV, _pow2_floor(DECODE_TARGET_BYTES // (hb * d_lanes * itemsize))),
+    )
+    if page is None:
+        bkv = cache_len if want >= cache_len else want
+        if hkv == 1 and bkv != cache_len and bkv % 16:
+            raise ValueError(f"block_kv: expected a multiple of 16 for one kv head, got {bkv}")
+        per, pages_per_step = bkv, 1
+    else:
+        per = page
+        pages_per_step = max(1, min(want // page, DECODE_MAX_PAGES_PER_STEP, max_pages))
+    splits = bs.splits or tpu_info.facts(generation).tensor_cores_per_device
+    bkv = per * pages_per_step
+    buffers = 2 * 2 * bkv * hb * d_lanes * itemsize  # K and V, double-buffered
+    q_io = 2 * hb * br * d_lanes * itemsize + 2 * hb * br * (_lanes(head_dim_v) + LANES) * 4
+    scratch = hb * br * (_lanes(head_dim_v) + 2 * LANES) * 4
+    temps = br * _round_up(per, LANES) * 4 * 4 + 2 * per * d_lanes * 4  # s, p, mask; k, v
+    need = buffers + q_io + scratch + temps
+    check_vmem("decode", need, generation)
+    return DecodePlan(hb, br, per, pages_per_step, splits, need)

@@ -1,0 +1,361 @@
+"""Decode attention over a KV cache (flash-attn's `flash_attn_with_kvcache`):
+the Pallas kernel and the compact schedule it walks.
+
+Layout. The cache is read where it lies, in flash-attn's layout: contiguous
+[B_cache, S, Hkv, D] or paged [num_pages, page, Hkv, D] (MQA caches are
+viewed as [.., S, D]). One grid step DMAs `block_kv` positions of
+`heads_per_block` kv heads at once (a (positions, heads, D) block: the last
+two dims are whole, so the block is legal for any head count) and takes each
+head out of it in VMEM. The G = Hq / Hkv query heads sharing a kv head are
+stacked into the matmul rows of that head, ordered (query position, head), so
+one decode token still fills G rows: q is handed over as [B, Hkv, Sq * G, D].
+
+Schedule. Which cache blocks a step reads is data: each sequence has its own
+length (and window start), so the wrapper builds a flat list of (sequence,
+block) work items from the scalar-prefetched lengths and the grid walks
+exactly that list (a dynamic grid dimension): blocks past a sequence's end,
+or before its window, cost neither a DMA nor a grid step. With several
+TensorCores per device (v5p) the list is cut into equal halves along a
+parallel grid axis: a long sequence of a small batch is then split across
+cores (flash-decoding), each core writes a partial (output, logsumexp) per
+sequence it touched, and `combine` merges them (plus the attention sinks).
+
+Numerics. Logits and the online softmax are f32; p is cast to the value dtype
+for the PV matmul (f32 accumulate). Cache rows past a sequence's length may
+hold anything (an empty cache is uninitialised memory): their logits are
+masked and their V rows zeroed before the PV matmul, so not even a NaN there
+reaches the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+NEG_INF = -1e30
+UNBOUNDED = 1 << 29
+NT_DIMS = (((1,), (1,)), ((), ()))
+NN_DIMS = (((1,), (0,)), ((), ()))
+
+# A schedule word: flags in the low bits, then the sequence, then its block.
+INIT, FINAL, COMPUTE = 1, 2, 4
+SEQ_SHIFT = 3
+MAX_SEQS = 1 << 12
+BLOCK_SHIFT = SEQ_SHIFT + 12
+MAX_BLOCKS = 1 << (31 - BLOCK_SHIFT)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeParams:
+    """Static description of one decode launch (hashable)."""
+
+    q_len: int  # Sq: query positions per sequence
+    group: int  # G: query heads per kv head
+    block_rows: int  # matmul rows per q block (of the Sq * G rows)
+    heads_per_block: int
+    page: int  # positions per cache block input (a page, or a contiguous block)
+    pages_per_step: int  # cache block inputs per step (paged: pages; else 1)
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    softcap: float | None
+    causal: bool
+    left: int  # UNBOUNDED when unbounded
+    right: int
+    paged: bool
+    squeezed: bool  # one kv head: the cache is viewed as [.., S, D]
+    cores: int
+    vmem_limit: int
+
+    @property
+    def block_kv(self) -> int:
+        return self.page * self.pages_per_step
+
+
+def _row_to_col(x):
+    n = x.shape[1]
+    return jnp.transpose(jnp.broadcast_to(x, (8, n)))[:, 0:1]
+
+
+def _div(x, n: int):
+    """x // n for int32 vectors x >= 0: a shift for powers of two, else an
+    exact float floor (x < 2**22), as Mosaic has no vector integer division."""
+    if n & (n - 1) == 0:
+        return x >> (n.bit_length() - 1)
+    return jnp.floor((x.astype(jnp.float32) + 0.5) * (1.0 / n)).astype(jnp.int32)
+
+
+def _decode_kernel(lens_ref, sched_ref, table_ref, *refs, prm: DecodeParams):
+    n, hb, br = prm.pages_per_step, prm.heads_per_block, prm.block_rows
+    q_ref = refs[0]
+    k_refs = refs[1 : 1 + n]
+    v_refs = refs[1 + n : 1 + 2 * n]
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * n :]
+    c, qblk, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    word = sched_ref[c, t]
+    flags = word & 7
+    b = (word >> SEQ_SHIFT) & (MAX_SEQS - 1)
+    blk = word >> BLOCK_SHIFT
+    length = lens_ref[b]
+    del table_ref  # read by the index maps only
+
+    @pl.when((flags & INIT) != 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    # The matmul rows are (kv head, row) of every head in the block; the
+    # keys are the block's (position, kv head) pairs as they lie in VMEM, so
+    # one matmul scores every head against every key and the mask keeps the
+    # same-head pairs. That wastes MXU work (hb x) that decode has to spare,
+    # and never takes a head out of its strided place in the block.
+    rows = hb * br
+    ri = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    row_head = _div(ri, br)
+    qrow = qblk * br + ri - row_head * br
+    qpos = length - prm.q_len + _div(qrow, prm.group)
+    cols = prm.page * hb
+    ci = lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    col_head = ci - _div(ci, hb) * hb
+    col_pos = _div(ci, hb)
+    vi = lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
+    v_pos = _div(vi, hb)
+
+    def page(p, k_ref, v_ref, tail):
+        start = (blk * n + p) * prm.page
+        kidx = start + col_pos
+        visible = row_head == col_head
+        if tail:
+            visible = jnp.logical_and(visible, kidx < length)
+        if prm.right < UNBOUNDED:
+            visible = jnp.logical_and(visible, kidx <= qpos + prm.right)
+        if prm.left < UNBOUNDED:
+            visible = jnp.logical_and(visible, kidx >= qpos - prm.left)
+        k = k_ref[...].reshape(cols, prm.head_dim)
+        v = v_ref[...].reshape(cols, prm.head_dim_v)
+        if tail:  # rows past the length may hold NaN
+            v = jnp.where(start + v_pos < length, v, jnp.zeros_like(v))
+        q = q_ref[...].reshape(rows, prm.head_dim)
+        s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * prm.scale
+        if prm.softcap is not None:
+            s = prm.softcap * jnp.tanh(s * (1.0 / prm.softcap))
+        s = jnp.where(visible, s, NEG_INF)
+        m_prev = m_ref[...].reshape(rows, 1)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p_ = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_ref[...].reshape(rows, 1) + jnp.sum(p_, axis=1, keepdims=True)
+        acc = alpha * acc_ref[...].reshape(rows, prm.head_dim_v) + lax.dot_general(
+            p_.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32
+        )
+        m_ref[...] = m_new.reshape(m_ref.shape)
+        l_ref[...] = l_new.reshape(l_ref.shape)
+        acc_ref[...] = acc.reshape(acc_ref.shape)
+
+    compute = (flags & COMPUTE) != 0
+    for p in range(n):
+        # Slots of a step past the sequence's last page repeat that page (no
+        # new DMA) and are skipped; only the page holding the sequence's end
+        # pays for masking its tail.
+        end = (blk * n + p + 1) * prm.page
+
+        @pl.when(jnp.logical_and(compute, end <= length))
+        def _whole(p=p):
+            page(p, k_refs[p], v_refs[p], tail=False)
+
+        @pl.when(jnp.logical_and(compute, jnp.logical_and(end > length, end - prm.page < length)))
+        def _tail(p=p):
+            page(p, k_refs[p], v_refs[p], tail=True)
+
+    @pl.when((flags & FINAL) != 0)
+    def _final():
+        l = l_ref[...]
+        empty = l == 0.0
+        o_ref[...] = acc_ref[...] / jnp.where(empty, 1.0, l)
+        lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+# ---------------------------------------------------------------------------
+# The schedule (traced JAX, built per call from the lengths).
+
+
+def block_range(prm: DecodeParams, lengths):
+    """(first, count) cache blocks of each sequence that hold a visible key."""
+    bkv = prm.block_kv
+    end = lax.div(lengths + (bkv - 1), jnp.int32(bkv))
+    first = jnp.zeros_like(lengths)
+    if prm.left < UNBOUNDED:
+        lo = jnp.maximum(lengths - prm.q_len - prm.left, 0)
+        first = jnp.minimum(lax.div(lo, jnp.int32(bkv)), end)
+    return first, end - first
+
+
+def schedule(prm: DecodeParams, lengths, max_blocks: int):
+    """(sched [cores, steps_cap], steps, touched [cores, B]) for the grid walk.
+
+    steps is the dynamic grid extent (work items per core, at least 1);
+    touched says which (core, sequence) partials the kernel wrote.
+    """
+    nseq = lengths.shape[0]
+    first, count = block_range(prm, lengths)
+    end_cum = jnp.cumsum(count)
+    start_cum = end_cum - count
+    total = end_cum[-1]
+    cores = prm.cores
+    per_core = lax.div(total + (cores - 1), jnp.int32(cores))
+    cap = -(-(nseq * max_blocks) // cores)
+    t = jnp.arange(cap, dtype=jnp.int32)[None, :]
+    core = jnp.arange(cores, dtype=jnp.int32)[:, None]
+    g = core * per_core + t
+    core_end = jnp.minimum((core + 1) * per_core, total)
+    live = g < core_end
+    g_live = jnp.minimum(g, jnp.maximum(core_end - 1, 0))  # padding repeats the last item
+    seq = jnp.clip(jnp.searchsorted(end_cum, g_live, side="right"), 0, nseq - 1).astype(jnp.int32)
+    blk = first[seq] + g_live - start_cum[seq]
+    prev_seq = jnp.concatenate([jnp.full((cores, 1), -1, jnp.int32), seq[:, :-1]], axis=1)
+    next_seq = jnp.concatenate([seq[:, 1:], jnp.full((cores, 1), -1, jnp.int32)], axis=1)
+    last_live = g == core_end - 1
+    flags = (
+        jnp.where(live & (prev_seq != seq), INIT, 0)
+        | jnp.where(live & ((next_seq != seq) | last_live), FINAL, 0)
+        | jnp.where(live, COMPUTE, 0)
+    )
+    sched = (blk << BLOCK_SHIFT) | (seq << SEQ_SHIFT) | flags
+    core_start = jnp.arange(cores, dtype=jnp.int32)[:, None] * per_core
+    touched = (
+        (count[None, :] > 0) & (start_cum[None, :] < core_end) & (end_cum[None, :] > core_start)
+    )
+    return sched.astype(jnp.int32), jnp.maximum(per_core, 1), touched
+
+
+def safe_table(prm: DecodeParams, block_table, lengths):
+    """The block table with every slot past a sequence's last page (and
+    before its window) replaced by a page it does read, so no index map
+    can point outside the cache and skipped slots repeat a DMA'd page."""
+    pages = jnp.arange(block_table.shape[1], dtype=jnp.int32)[None, :]
+    last = jnp.maximum(lax.div(lengths + (prm.page - 1), jnp.int32(prm.page)) - 1, 0)[:, None]
+    first, _ = block_range(prm, lengths)
+    lo = jnp.minimum(first * prm.pages_per_step, last[:, 0])[:, None]
+    idx = jnp.clip(pages, lo, last)
+    return jnp.take_along_axis(block_table.astype(jnp.int32), idx, axis=1)
+
+
+# ---------------------------------------------------------------------------
+# The pallas_call.
+
+
+def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, table, interpret):
+    """Partial outputs (o [cores, B, Hkv, R, Dv] f32, lse [cores, B, Hkv, R, 1] f32).
+
+    q4 [B, Hkv, R, D]; caches contiguous [Bc, S, Hkv, D] (or [Bc, S, D] when
+    squeezed) with `table` [B] the cache row of each sequence, or paged
+    [P, page, Hkv, D] (or [P, page, D]) with `table` [B, pages] (safe_table).
+    """
+    nseq, hkv, rows, d = q4.shape
+    hb, br, n = prm.heads_per_block, prm.block_rows, prm.pages_per_step
+    cores = prm.cores
+    nq = -(-rows // br)
+    grid = (cores, hkv // hb, nq, steps)
+
+    def unpack(s, c, t):
+        word = s[c, t]
+        return (word >> SEQ_SHIFT) & (MAX_SEQS - 1), word >> BLOCK_SHIFT
+
+    def q_map(c, h, i, t, lens, s, tab):
+        b, _ = unpack(s, c, t)
+        return (b, h, i, 0)
+
+    def out_map(c, h, i, t, lens, s, tab):
+        b, _ = unpack(s, c, t)
+        return (c, b, h, i, 0)
+
+    def cache_spec(p, dim):
+        if prm.squeezed:
+            block = (None, prm.page, dim)
+        else:
+            block = (None, prm.page, hb, dim)
+
+        def index(c, h, i, t, lens, s, tab):
+            b, blk = unpack(s, c, t)
+            if prm.paged:
+                slot = jnp.minimum(blk * n + p, table.shape[1] - 1)
+                lead, seq_blk = tab[b, slot], 0
+            else:
+                lead, seq_blk = tab[b], blk
+            return (lead, seq_blk, 0) if prm.squeezed else (lead, seq_blk, h, 0)
+
+        return pl.BlockSpec(block, index)
+
+    in_specs = [pl.BlockSpec((None, hb, br, d), q_map)]
+    in_specs += [cache_spec(p, prm.head_dim) for p in range(n)]
+    in_specs += [cache_spec(p, prm.head_dim_v) for p in range(n)]
+    out_shape = (
+        jax.ShapeDtypeStruct((cores, nseq, hkv, rows, prm.head_dim_v), jnp.float32),
+        jax.ShapeDtypeStruct((cores, nseq, hkv, rows, 1), jnp.float32),
+    )
+    out_specs = (
+        pl.BlockSpec((None, None, hb, br, prm.head_dim_v), out_map),
+        pl.BlockSpec((None, None, hb, br, 1), out_map),
+    )
+    scratch = [
+        pltpu.VMEM((hb, br, 1), jnp.float32),
+        pltpu.VMEM((hb, br, 1), jnp.float32),
+        pltpu.VMEM((hb, br, prm.head_dim_v), jnp.float32),
+    ]
+    # Per the cache's capacity: the lengths are data, unknown when tracing.
+    keys = (table.shape[1] * prm.page) if prm.paged else k_cache.shape[1]
+    q_rows = nseq * hkv * rows
+    cost = pl.CostEstimate(
+        flops=int(2 * q_rows * keys * (prm.head_dim + prm.head_dim_v)),
+        transcendentals=int(q_rows * keys),
+        bytes_accessed=int(
+            k_cache.dtype.itemsize * (q4.size + nseq * hkv * keys * (prm.head_dim + prm.head_dim_v))
+        ),
+    )
+    return pl.pallas_call(
+        functools.partial(_decode_kernel, prm=prm),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=prm.vmem_limit,
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="flash_attention_decode",
+    )(lengths, sched, table, q4, *([k_cache] * n), *([v_cache] * n))
+
+
+def combine(o, lse, touched, sinks_rows):
+    """Merges the cores' partials: (out [B, Hkv, R, Dv] f32, lse [B, Hkv, R] f32).
+
+    sinks_rows [Hkv, R] f32 or None: each row's sink logit, one more term in
+    the softmax denominator. Rows that see no key and have no sink: output 0,
+    logsumexp +inf (flash-attn's convention).
+    """
+    lse = jnp.where(touched[:, :, None, None], lse[..., 0], -jnp.inf)
+    if sinks_rows is not None:
+        lse = jnp.concatenate([lse, jnp.broadcast_to(sinks_rows, lse.shape[1:])[None]], axis=0)
+    top = jnp.max(lse, axis=0)
+    top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top_safe)  # 0 for untouched partials and empty rows
+    total = jnp.sum(w, axis=0)
+    empty = total == 0.0
+    w = w / jnp.where(empty, 1.0, total)
+    parts = o.shape[0]
+    out = jnp.sum(jnp.where(w[:parts, ..., None] > 0, o, 0.0) * w[:parts, ..., None], axis=0)
+    lse_out = jnp.where(empty, jnp.inf, top_safe + jnp.log(jnp.where(empty, 1.0, total)))
+    return out, lse_out
