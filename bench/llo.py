@@ -511,6 +511,10 @@ class _Machine:
                 "ge": x >= y,
             }[cmp]
         if n in ("por", "pand", "pnand", "pnor", "pxor", "pneg", "pmov"):
+            if n in ("pand", "pnand") and any(x is not None and not x for x in a[:2]):
+                return n == "pnand"  # one known false operand decides it
+            if n in ("por", "pnor") and any(x is not None and bool(x) for x in a[:2]):
+                return n == "por"  # one known true operand decides it
             if any(x is None for x in a):
                 return None
             if n == "pneg":

@@ -153,8 +153,10 @@ def test_kvcache_matches_reference(c):
 @pytest.mark.parametrize(
     "name, kw",
     [
-        # GQA decode, one sequence empty, one full, split across two "cores".
-        ("gqa-splits", dict(b=3, sq=1, hq=8, hkv=2, lens=[0, 80, 37], splits=2)),
+        # GQA decode, one sequence empty, one full, split across two "cores";
+        # 32-position blocks of an 80-position cache: the last block's copy
+        # is shifted back inside the cache and its first half masked.
+        ("gqa-splits", dict(b=3, sq=1, hq=8, hkv=2, lens=[0, 80, 37], splits=2, block_kv=32)),
         # Speculative decoding: 4 new queries, causal, sinks, a long sequence
         # cut across three partials (the combine merges three).
         ("spec-sinks", dict(b=1, sq=4, hq=4, hkv=1, lens=[77], splits=3, sinks=True, causal=True)),
@@ -171,6 +173,7 @@ def test_kvcache_matches_reference(c):
 def test_kvcache_cases(name, kw):
     kw = dict(kw)
     splits = kw.pop("splits", 1)
+    block_kv = kw.pop("block_kv", 16)
     q, kc, vc, lens, table, sinks = _case(
         7,
         b=kw.pop("b"),
@@ -184,7 +187,7 @@ def test_kvcache_cases(name, kw):
         dtype=jnp.bfloat16,
         with_sinks=kw.pop("sinks", False),
     )
-    config = tiling.DecodeBlockSizes(block_kv=16, splits=splits)
+    config = tiling.DecodeBlockSizes(block_kv=block_kv, splits=splits)
     out, lse = _check(q, kc, vc, lens, table, sinks, config=config, **kw)
     if name == "short":  # seq 1 has no key: zeros and +inf, not NaN
         assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(jnp.isinf(lse[1])))

@@ -72,6 +72,9 @@ class DecodeParams:
     squeezed: bool  # one kv head: the cache is viewed as [.., S, D]
     cores: int
     vmem_limit: int
+    slots: int = 4  # the DMA ring's items (slots - 1 in flight)
+    q_resident: bool = False  # all sequences' q blocks stay in VMEM
+    cache_len: int = 0  # contiguous: positions per cache row
 
     @property
     def block_kv(self) -> int:
@@ -91,19 +94,69 @@ def _div(x, n: int):
     return jnp.floor((x.astype(jnp.float32) + 0.5) * (1.0 / n)).astype(jnp.int32)
 
 
-def _decode_kernel(lens_ref, sched_ref, table_ref, *refs, prm: DecodeParams):
-    n, hb, br = prm.pages_per_step, prm.heads_per_block, prm.block_rows
-    q_ref = refs[0]
-    k_refs = refs[1 : 1 + n]
-    v_refs = refs[1 + n : 1 + 2 * n]
-    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * n :]
-    c, qblk, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    word = sched_ref[c, t]
-    flags = word & 7
-    b = (word >> SEQ_SHIFT) & (MAX_SEQS - 1)
-    blk = word >> BLOCK_SHIFT
-    length = lens_ref[b]
-    del table_ref  # read by the index maps only
+def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, prm: DecodeParams):
+    o_ref, lse_ref, kbuf, vbuf, sem, m_ref, l_ref, acc_ref = refs
+    n, hb, br, nslot = prm.pages_per_step, prm.heads_per_block, prm.block_rows, prm.slots
+    c, h, qblk, t = (pl.program_id(i) for i in range(4))
+
+    def item(u):
+        """(live, sequence, block, length, flags) of work item u of this core
+        (the schedule has `slots` dead items past the longest core's list)."""
+        word = sched_ref[c, u]
+        b = (word >> SEQ_SHIFT) & (MAX_SEQS - 1)
+        return (word & COMPUTE) != 0, b, word >> BLOCK_SHIFT, lens_ref[b], word & 7
+
+    def page_start(blk, p):
+        """Nominal first position of page p of a block, and where its copy starts
+        (a contiguous cache's last block is copied from S - page, inside the cache)."""
+        start = (blk * n + p) * prm.page
+        if prm.paged:
+            return start, start
+        return start, jnp.minimum(start, prm.cache_len - prm.page)
+
+    def copies(u, slot):
+        """The K and V copies of item u's pages into `slot`, each with whether it runs."""
+        live, b, blk, length, _ = item(u)
+        out = []
+        for p in range(n):
+            start, src = page_start(blk, p)
+            if prm.paged:
+                lead = table_ref[b, jnp.minimum(blk * n + p, table_ref.shape[1] - 1)]
+                pos = pl.ds(0, prm.page)
+            else:
+                lead, pos = table_ref[b], pl.ds(src, prm.page)
+            for i, (hbm, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+                if prm.squeezed:
+                    view = hbm.at[lead, pos]
+                else:
+                    view = hbm.at[lead, pos, pl.ds(h * hb, hb)]
+                cp = pltpu.make_async_copy(view, buf.at[slot, p], sem.at[slot, i, p])
+                out.append((jnp.logical_and(live, start < length), cp))
+        return out
+
+    def start_item(u):
+        for run, cp in copies(u, lax.rem(u, nslot)):
+
+            @pl.when(run)
+            def _():
+                cp.start()
+
+    # A ring of `slots` items: item t + slots - 1 is requested while item t is
+    # computed, so slots - 1 items (each a DMA latency long) stay in flight.
+    @pl.when(t == 0)
+    def _prologue():
+        for u in range(nslot - 1):
+            start_item(u)
+
+    start_item(t + nslot - 1)
+    for run, cp in copies(t, lax.rem(t, nslot)):
+
+        @pl.when(run)
+        def _():
+            cp.wait()
+
+    _, b, blk, length, flags = item(t)
+    slot = lax.rem(t, nslot)
 
     @pl.when((flags & INIT) != 0)
     def _init():
@@ -128,21 +181,22 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, *refs, prm: DecodeParams):
     vi = lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
     v_pos = _div(vi, hb)
 
-    def page(p, k_ref, v_ref, tail):
-        start = (blk * n + p) * prm.page
-        kidx = start + col_pos
+    def page(p, tail):
+        start, src = page_start(blk, p)
+        kidx = src + col_pos
         visible = row_head == col_head
-        if tail:
-            visible = jnp.logical_and(visible, kidx < length)
+        if tail:  # positions past the length, or before the page (a shifted copy)
+            visible = jnp.logical_and(visible, jnp.logical_and(kidx < length, kidx >= start))
         if prm.right < UNBOUNDED:
             visible = jnp.logical_and(visible, kidx <= qpos + prm.right)
         if prm.left < UNBOUNDED:
             visible = jnp.logical_and(visible, kidx >= qpos - prm.left)
-        k = k_ref[...].reshape(cols, prm.head_dim)
-        v = v_ref[...].reshape(cols, prm.head_dim_v)
+        k = kbuf[slot, p].reshape(cols, prm.head_dim)
+        v = vbuf[slot, p].reshape(cols, prm.head_dim_v)
         if tail:  # rows past the length may hold NaN
-            v = jnp.where(start + v_pos < length, v, jnp.zeros_like(v))
-        q = q_ref[...].reshape(rows, prm.head_dim)
+            vpos = src + v_pos
+            v = jnp.where(jnp.logical_and(vpos < length, vpos >= start), v, jnp.zeros_like(v))
+        q = (q_ref[b] if prm.q_resident else q_ref[...]).reshape(rows, prm.head_dim)
         s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * prm.scale
         if prm.softcap is not None:
             s = prm.softcap * jnp.tanh(s * (1.0 / prm.softcap))
@@ -161,18 +215,20 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, *refs, prm: DecodeParams):
 
     compute = (flags & COMPUTE) != 0
     for p in range(n):
-        # Slots of a step past the sequence's last page repeat that page (no
-        # new DMA) and are skipped; only the page holding the sequence's end
-        # pays for masking its tail.
-        end = (blk * n + p + 1) * prm.page
+        # Pages of a step past the sequence's end were not copied and are
+        # skipped; only a page holding the end (or a shifted last block) pays
+        # for the tail mask.
+        start, src = page_start(blk, p)
+        end = start + prm.page
+        whole = jnp.logical_and(end <= length, src == start)
 
-        @pl.when(jnp.logical_and(compute, end <= length))
+        @pl.when(jnp.logical_and(compute, whole))
         def _whole(p=p):
-            page(p, k_refs[p], v_refs[p], tail=False)
+            page(p, tail=False)
 
-        @pl.when(jnp.logical_and(compute, jnp.logical_and(end > length, end - prm.page < length)))
+        @pl.when(jnp.logical_and(compute, jnp.logical_and(jnp.logical_not(whole), start < length)))
         def _tail(p=p):
-            page(p, k_refs[p], v_refs[p], tail=True)
+            page(p, tail=True)
 
     @pl.when((flags & FINAL) != 0)
     def _final():
@@ -210,7 +266,9 @@ def schedule(prm: DecodeParams, lengths, max_blocks: int):
     total = end_cum[-1]
     cores = prm.cores
     per_core = lax.div(total + (cores - 1), jnp.int32(cores))
-    cap = -(-(nseq * max_blocks) // cores)
+    # Room for every block of every sequence on one core, plus the DMA ring's
+    # look-ahead past the last item (dead items: no flags).
+    cap = -(-(nseq * max_blocks) // cores) + prm.slots
     t = jnp.arange(cap, dtype=jnp.int32)[None, :]
     core = jnp.arange(cores, dtype=jnp.int32)[:, None]
     g = core * per_core + t
@@ -257,9 +315,10 @@ def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, 
     q4 [B, Hkv, R, D]; caches contiguous [Bc, S, Hkv, D] (or [Bc, S, D] when
     squeezed) with `table` [B] the cache row of each sequence, or paged
     [P, page, Hkv, D] (or [P, page, D]) with `table` [B, pages] (safe_table).
+    The caches stay in HBM: the kernel copies each step's pages itself.
     """
     nseq, hkv, rows, d = q4.shape
-    hb, br, n = prm.heads_per_block, prm.block_rows, prm.pages_per_step
+    hb, br, n, nslot = prm.heads_per_block, prm.block_rows, prm.pages_per_step, prm.slots
     cores = prm.cores
     nq = -(-rows // br)
     grid = (cores, hkv // hb, nq, steps)
@@ -276,26 +335,15 @@ def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, 
         b, _ = unpack(s, c, t)
         return (c, b, h, i, 0)
 
-    def cache_spec(p, dim):
-        if prm.squeezed:
-            block = (None, prm.page, dim)
-        else:
-            block = (None, prm.page, hb, dim)
-
-        def index(c, h, i, t, lens, s, tab):
-            b, blk = unpack(s, c, t)
-            if prm.paged:
-                slot = jnp.minimum(blk * n + p, table.shape[1] - 1)
-                lead, seq_blk = tab[b, slot], 0
-            else:
-                lead, seq_blk = tab[b], blk
-            return (lead, seq_blk, 0) if prm.squeezed else (lead, seq_blk, h, 0)
-
-        return pl.BlockSpec(block, index)
-
-    in_specs = [pl.BlockSpec((None, hb, br, d), q_map)]
-    in_specs += [cache_spec(p, prm.head_dim) for p in range(n)]
-    in_specs += [cache_spec(p, prm.head_dim_v) for p in range(n)]
+    if prm.q_resident:  # every sequence's queries in VMEM: one DMA, none per sequence
+        q_spec = pl.BlockSpec((nseq, hb, br, d), lambda c, h, i, t, *_: (0, h, i, 0))
+    else:
+        q_spec = pl.BlockSpec((None, hb, br, d), q_map)
+    in_specs = [
+        q_spec,
+        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec(memory_space=pl.ANY),
+    ]
     out_shape = (
         jax.ShapeDtypeStruct((cores, nseq, hkv, rows, prm.head_dim_v), jnp.float32),
         jax.ShapeDtypeStruct((cores, nseq, hkv, rows, 1), jnp.float32),
@@ -304,7 +352,11 @@ def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, 
         pl.BlockSpec((None, None, hb, br, prm.head_dim_v), out_map),
         pl.BlockSpec((None, None, hb, br, 1), out_map),
     )
+    heads = () if prm.squeezed else (hb,)
     scratch = [
+        pltpu.VMEM((nslot, n, prm.page, *heads, prm.head_dim), k_cache.dtype),
+        pltpu.VMEM((nslot, n, prm.page, *heads, prm.head_dim_v), v_cache.dtype),
+        pltpu.SemaphoreType.DMA((nslot, 2, n)),
         pltpu.VMEM((hb, br, 1), jnp.float32),
         pltpu.VMEM((hb, br, 1), jnp.float32),
         pltpu.VMEM((hb, br, prm.head_dim_v), jnp.float32),
@@ -330,13 +382,14 @@ def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, 
             scratch_shapes=scratch,
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            # The step axis carries the DMA ring; the others restart it.
+            dimension_semantics=("parallel", "arbitrary", "arbitrary", "arbitrary"),
             vmem_limit_bytes=prm.vmem_limit,
         ),
         cost_estimate=cost,
         interpret=interpret,
         name="flash_attention_decode",
-    )(lengths, sched, table, q4, *([k_cache] * n), *([v_cache] * n))
+    )(lengths, sched, table, q4, k_cache, v_cache)
 
 
 def combine(o, lse, touched, sinks_rows):

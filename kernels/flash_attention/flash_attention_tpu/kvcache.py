@@ -55,6 +55,7 @@ def decode_params(
     itemsize = jnp.dtype(jnp.float32 if dtype == jnp.float16 else dtype).itemsize
     plan = tiling.decode_plan(
         generation=generation,
+        batch=pb.batch,
         num_kv_heads=pb.num_kv_heads,
         rows=pb.q_len * pb.group,
         head_dim=pb.head_dim,
@@ -84,6 +85,9 @@ def decode_params(
         paged=pb.page is not None,
         squeezed=pb.num_kv_heads == 1,
         cores=plan.splits,
+        slots=plan.slots,
+        q_resident=plan.q_resident,
+        cache_len=pb.cache_len if pb.page is None else 0,
         vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
     )
 

@@ -378,6 +378,13 @@ def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
 # spec each) to reach the same size.
 
 DECODE_TARGET_BYTES = 512 * 1024
+# Items in the kernel's DMA ring: 3 in flight hide a 1.35 us DMA latency
+# behind ~1 MiB steps (bench's model: 1 MiB moves in ~0.7 us on v6e).
+DECODE_SLOTS = 4
+# Up to this size every sequence's queries are one resident VMEM block: a q
+# block fetched per sequence exposes a DMA latency at each sequence change
+# (v6e, 64 x 1k tokens, 32/8 heads: 1.49x -> see the issue 13 note).
+DECODE_Q_RESIDENT_BYTES = 4 * MiB
 DECODE_MAX_BLOCK_KV = 4096
 DECODE_MIN_BLOCK_KV = 128
 DECODE_MAX_PAGES_PER_STEP = 16
@@ -416,6 +423,8 @@ class DecodePlan:
     page: int  # positions per cache block input
     pages_per_step: int
     splits: int
+    slots: int
+    q_resident: bool
     vmem_need: int
 
 
@@ -426,6 +435,7 @@ def _pow2_floor(x: int) -> int:
 def decode_plan(
     *,
     generation: str,
+    batch: int,
     num_kv_heads: int,
     rows: int,
     head_dim: int,
@@ -464,10 +474,14 @@ def decode_plan(
         pages_per_step = max(1, min(want // page, DECODE_MAX_PAGES_PER_STEP, max_pages))
     splits = bs.splits or tpu_info.facts(generation).tensor_cores_per_device
     bkv = per * pages_per_step
-    buffers = 2 * 2 * bkv * hb * d_lanes * itemsize  # K and V, double-buffered
+    buffers = 2 * DECODE_SLOTS * bkv * hb * d_lanes * itemsize  # K and V ring
     q_io = 2 * hb * br * d_lanes * itemsize + 2 * hb * br * (_lanes(head_dim_v) + LANES) * 4
     scratch = hb * br * (_lanes(head_dim_v) + 2 * LANES) * 4
     temps = br * _round_up(per, LANES) * 4 * 4 + 2 * per * d_lanes * 4  # s, p, mask; k, v
+    q_all = batch * hb * _round_up(br, 16) * d_lanes * itemsize
+    q_resident = q_all <= DECODE_Q_RESIDENT_BYTES and br == rows
+    if q_resident:
+        q_io += 2 * q_all
     need = buffers + q_io + scratch + temps
     check_vmem("decode", need, generation)
-    return DecodePlan(hb, br, per, pages_per_step, splits, need)
+    return DecodePlan(hb, br, per, pages_per_step, splits, DECODE_SLOTS, q_resident, need)
