@@ -62,6 +62,16 @@ def _case(seed, *, b, sq, hq, hkv, d, cap, page, lens, dtype, with_sinks):
     return cast(q), cast(kc), cast(vc), jnp.asarray(lens), table, sinks
 
 
+def _heads_major(kc, vc, b, cap, seed, with_mask):
+    """The caches as [B, Hkv, S, D] (transformers' layout) and, optionally, a
+    random keep mask with holes (left padding and more)."""
+    kc, vc = kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3)
+    mask = None
+    if with_mask:
+        mask = jnp.asarray(np.random.default_rng(seed + 1).random((b, cap)) < 0.8, jnp.int32)
+    return kc, vc, mask
+
+
 def _check(q, kc, vc, lens, table, sinks, *, config, **kw):
     out, lse = kvcache.flash_attention_kvcache(
         q,
@@ -96,6 +106,7 @@ def kvcache_cases(draw):
     hkv = draw(st.sampled_from([1, 2, 4]))
     b = draw(st.integers(1, 3))
     page = draw(st.sampled_from([None, 16]))
+    layout = "bshd" if page else draw(st.sampled_from(["bshd", "bhsd"]))
     cap = 64 if page else draw(st.sampled_from([48, 64, 80]))
     lens = draw(st.lists(st.integers(0, cap), min_size=b, max_size=b))
     window = draw(st.sampled_from([(-1, -1), (-1, -1), (24, 0), (10, 3)]))
@@ -116,6 +127,8 @@ def kvcache_cases(draw):
         softcap=draw(st.sampled_from([None, None, 8.0])),
         block_kv=draw(st.sampled_from([16, 32])),
         splits=draw(st.sampled_from([1, 2, 3])),
+        layout=layout,
+        kv_mask=layout == "bhsd" and draw(st.booleans()),
     )
 
 
@@ -136,6 +149,10 @@ def test_kvcache_matches_reference(c):
         with_sinks=c["with_sinks"],
     )
     config = tiling.DecodeBlockSizes(block_kv=c["block_kv"], splits=c["splits"])
+    layout = {}
+    if c["layout"] == "bhsd":
+        kc, vc, mask = _heads_major(kc, vc, c["b"], c["cap"], c["seed"], c["kv_mask"])
+        layout = dict(cache_layout="bhsd", kv_mask=mask)
     _check(
         q,
         kc,
@@ -144,6 +161,7 @@ def test_kvcache_matches_reference(c):
         table,
         sinks,
         config=config,
+        **layout,
         causal=c["causal"],
         window_size=c["window"],
         softcap=c["softcap"],
@@ -166,6 +184,12 @@ def test_kvcache_matches_reference(c):
             "paged-window",
             dict(b=2, sq=2, hq=4, hkv=2, lens=[64, 50], page=16, window_size=(20, 0), causal=True),
         ),
+        # transformers' cache layout [B, Hkv, S, D] with a keep mask (left
+        # padding and holes), GQA, two partials.
+        (
+            "heads-major-mask",
+            dict(b=2, sq=1, hq=8, hkv=2, lens=[80, 61], splits=2, block_kv=32, heads_major=True),
+        ),
         # Query rows past the keys (Sq > length): rows that see nothing.
         ("short", dict(b=2, sq=5, hq=2, hkv=2, lens=[3, 0], causal=True)),
     ],
@@ -187,6 +211,9 @@ def test_kvcache_cases(name, kw):
         dtype=jnp.bfloat16,
         with_sinks=kw.pop("sinks", False),
     )
+    if kw.pop("heads_major", False):
+        kc, vc, mask = _heads_major(kc, vc, 2, 80, 7, True)
+        kw.update(cache_layout="bhsd", kv_mask=mask)
     config = tiling.DecodeBlockSizes(block_kv=block_kv, splits=splits)
     out, lse = _check(q, kc, vc, lens, table, sinks, config=config, **kw)
     if name == "short":  # seq 1 has no key: zeros and +inf, not NaN
@@ -346,17 +373,6 @@ def test_kvcache_op_lowers_through_torch_tpu_jax_op_on_meta():
     table = torch.empty(8, 32, dtype=torch.int32)
     out, lse = meta_call(
         fa.ops._flash_attention_kvcache,
-        q,
-        kc,
-        kc,
-        lens,
-        table,
-        None,
-        None,
-        True,
-        -1,
-        0,
-        0.0,
-        0.088,
+        *(q, kc, kc, lens, table, None, None, None, "bshd", True, -1, 0, 0.0, 0.088),
     )
     assert out.shape == q.shape and out.device.type == "meta" and lse.shape == (8, 32, 1)

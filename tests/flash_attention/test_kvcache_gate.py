@@ -4,7 +4,8 @@ AOT, no chip), at decode shapes: batch 64 against a 32k-position cache
 
 Layouts: "gqa" a contiguous cache with 32 query / 8 kv heads; "paged" the
 same heads over 256-position pages (flash-attn's page multiple); "mqa" one kv
-head (the cache viewed as [.., S, D]); "spec" 4 new queries per sequence,
+head (the cache viewed as [.., S, D]); "static" transformers' StaticCache
+layout [B, Hkv, S, D] with a padding mask, 32/8 heads; "spec" 4 new queries per sequence,
 causal with a 1k window, sinks and a softcap (GPT-OSS-style, 64/8 heads). The
 grid's step count is data (a dynamic grid dimension), so one program per
 point covers every length. Compiled in the session's gate workers.
@@ -24,7 +25,7 @@ from gate import GENERATIONS, GateProgram, session_pool, spec
 BATCH, CACHE, PAGE = 64, 32768, 256
 # v5e's 16 GB of HBM does not hold 64 x 32k positions of 8 d=256 heads (K and V).
 MAX_CACHE_BYTES = 8 << 30
-LAYOUTS = ("gqa", "paged", "mqa")
+LAYOUTS = ("gqa", "paged", "mqa", "static")
 POINTS = [
     *itertools.product(GENERATIONS, (64, 128, 256), LAYOUTS),
     *((g, 64, "spec") for g in GENERATIONS),
@@ -33,9 +34,13 @@ POINTS = [
 
 def gate_program(point) -> GateProgram:
     generation, d, layout = point
-    hq, hkv, sq = {"gqa": (32, 8, 1), "paged": (32, 8, 1), "mqa": (8, 1, 1), "spec": (64, 8, 4)}[
-        layout
-    ]
+    hq, hkv, sq = {
+        "gqa": (32, 8, 1),
+        "paged": (32, 8, 1),
+        "mqa": (8, 1, 1),
+        "static": (32, 8, 1),
+        "spec": (64, 8, 4),
+    }[layout]
     q = spec((BATCH, sq, hq, d))
     cache_len = min(CACHE, MAX_CACHE_BYTES // (BATCH * hkv * d * 2 * 2))
     lens = spec((BATCH,), jnp.int32)
@@ -49,6 +54,17 @@ def gate_program(point) -> GateProgram:
             )
 
         return GateProgram(fn, [q, cache, cache, lens, table], generation)
+    if layout == "static":
+        cache = spec((BATCH, hkv, cache_len, d))
+
+        def fn(q, k, v, lens, mask):
+            return kvcache.flash_attention_kvcache(
+                q, k, v, lens, cache_layout="bhsd", kv_mask=mask, causal=True, config=generation
+            )
+
+        return GateProgram(
+            fn, [q, cache, cache, lens, spec((BATCH, cache_len), jnp.int32)], generation
+        )
     cache = spec((BATCH, cache_len, hkv, d))
     kw = dict(causal=True, config=generation)
     args = [q, cache, cache, lens]

@@ -268,6 +268,8 @@ def check_kvcache_inputs(
     block_table=None,
     cache_batch_idx=None,
     sinks=None,
+    cache_layout="bshd",
+    kv_mask=None,
 ) -> KvCacheProblem:
     """Validates a decode call's arrays (shapes and dtypes); raises ValueError
     naming the argument.
@@ -276,7 +278,17 @@ def check_kvcache_inputs(
     Hkv, Dv], or paged [num_pages, page, Hkv, D|Dv] with block_table int
     [B, max_pages]; cache_seqlens int [B]; cache_batch_idx int [B] (the
     cache row of each sequence; contiguous caches only); sinks float [Hq].
+    cache_layout "bhsd": contiguous caches [B_cache, Hkv, S, D] (transformers'),
+    optionally with kv_mask int/bool [B, S] (nonzero = the key may be seen).
     """
+    if cache_layout not in ("bshd", "bhsd"):
+        raise ValueError(f"cache_layout: expected 'bshd' or 'bhsd', got {cache_layout!r}")
+    if cache_layout == "bhsd" and block_table is not None:
+        raise ValueError(
+            "block_table: paged caches are [num_pages, page, kv_heads, head_dim] (bshd)"
+        )
+    if kv_mask is not None and cache_layout != "bhsd":
+        raise ValueError("kv_mask: accepted only with cache_layout='bhsd'")
     shapes = {}
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         s = _shape(x, name)
@@ -291,6 +303,8 @@ def check_kvcache_inputs(
             raise ValueError(f"{name}: expected a rank-4 array {layout}, got shape {s}")
         if x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name}: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+        if name != "q" and cache_layout == "bhsd":
+            s = (s[0], s[2], s[1], s[3])
         shapes[name] = s
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(
@@ -336,6 +350,12 @@ def check_kvcache_inputs(
         )
     if cache_batch_idx is not None:
         _int_array(cache_batch_idx, "cache_batch_idx", (b,))
+    if kv_mask is not None:
+        got = _shape(kv_mask, "kv_mask")
+        if got != (b, s):
+            raise ValueError(f"kv_mask: expected shape {(b, s)}, got {got}")
+        if not (jnp.issubdtype(kv_mask.dtype, jnp.integer) or kv_mask.dtype == jnp.bool_):
+            raise ValueError(f"kv_mask: expected an integer or bool dtype, got {kv_mask.dtype}")
     if sinks is not None:
         sh = _shape(sinks, "s_aux")
         if sh != (hq,):

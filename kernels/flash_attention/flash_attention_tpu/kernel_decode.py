@@ -73,6 +73,8 @@ class DecodeParams:
     cores: int
     vmem_limit: int
     slots: int = 4  # the DMA ring's items (slots - 1 in flight)
+    heads_major: bool = False  # contiguous cache laid out [B, Hkv, S, D] (transformers')
+    has_kv_mask: bool = False  # heads_major only: per-key keep mask [B, S] int32
     q_resident: bool = False  # all sequences' q blocks stay in VMEM
     cache_len: int = 0  # contiguous: positions per cache row
 
@@ -95,7 +97,10 @@ def _div(x, n: int):
 
 
 def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, prm: DecodeParams):
-    o_ref, lse_ref, kbuf, vbuf, sem, m_ref, l_ref, acc_ref = refs
+    refs = list(refs)
+    mask_hbm = refs.pop(0) if prm.has_kv_mask else None
+    o_ref, lse_ref, kbuf, vbuf, sem, m_ref, l_ref, acc_ref = refs[:8]
+    mbuf = refs[8] if prm.has_kv_mask else None
     n, hb, br, nslot = prm.pages_per_step, prm.heads_per_block, prm.block_rows, prm.slots
     c, h, qblk, t = (pl.program_id(i) for i in range(4))
 
@@ -125,13 +130,19 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, p
                 pos = pl.ds(0, prm.page)
             else:
                 lead, pos = table_ref[b], pl.ds(src, prm.page)
+            run = jnp.logical_and(live, start < length)
             for i, (hbm, buf) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
                 if prm.squeezed:
                     view = hbm.at[lead, pos]
+                elif prm.heads_major:
+                    view = hbm.at[lead, pl.ds(h * hb, hb), pos]
                 else:
                     view = hbm.at[lead, pos, pl.ds(h * hb, hb)]
                 cp = pltpu.make_async_copy(view, buf.at[slot, p], sem.at[slot, i, p])
-                out.append((jnp.logical_and(live, start < length), cp))
+                out.append((run, cp))
+            if prm.has_kv_mask:
+                view = mask_hbm.at[pl.ds(b, 1), pos]
+                out.append((run, pltpu.make_async_copy(view, mbuf.at[slot, p], sem.at[slot, 2, p])))
         return out
 
     def start_item(u):
@@ -212,6 +223,55 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, p
         m_ref[...] = m_new.reshape(m_ref.shape)
         l_ref[...] = l_new.reshape(l_ref.shape)
         acc_ref[...] = acc.reshape(acc_ref.shape)
+
+    def page_heads_major(p, tail):
+        """One page of a [.., Hkv, S, D] cache: each head's keys are whole
+        tiles, so every head runs its own small matmuls, nothing wasted."""
+        start, src = page_start(blk, p)
+        kidx = src + lax.broadcasted_iota(jnp.int32, (1, prm.page), 1)
+        r = qblk * br + lax.broadcasted_iota(jnp.int32, (br, 1), 0)
+        qpos_h = length - prm.q_len + _div(r, prm.group)
+        visible = None
+        if tail:
+            visible = jnp.logical_and(kidx < length, kidx >= start)
+        if prm.has_kv_mask:
+            keep = mbuf[slot, p] != 0
+            visible = keep if visible is None else jnp.logical_and(visible, keep)
+        if prm.right < UNBOUNDED:
+            v_r = kidx <= qpos_h + prm.right
+            visible = v_r if visible is None else jnp.logical_and(visible, v_r)
+        if prm.left < UNBOUNDED:
+            v_l = kidx >= qpos_h - prm.left
+            visible = v_l if visible is None else jnp.logical_and(visible, v_l)
+        vcol = None
+        if tail:
+            vp = src + lax.broadcasted_iota(jnp.int32, (prm.page, 1), 0)
+            vcol = jnp.logical_and(vp < length, vp >= start)
+        for hh in range(hb):
+            k = kbuf[slot, p, hh]
+            v = vbuf[slot, p, hh]
+            if vcol is not None:  # rows past the length may hold NaN
+                v = jnp.where(vcol, v, jnp.zeros_like(v))
+            q = q_ref[b, hh] if prm.q_resident else q_ref[hh]
+            s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * prm.scale
+            if prm.softcap is not None:
+                s = prm.softcap * jnp.tanh(s * (1.0 / prm.softcap))
+            if visible is not None:
+                s = jnp.where(visible, s, NEG_INF)
+            m_prev = m_ref[hh]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p_ = jnp.exp(s - m_new)
+            if visible is not None:
+                p_ = jnp.where(visible, p_, 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_ref[hh] = alpha * l_ref[hh] + jnp.sum(p_, axis=1, keepdims=True)
+            acc_ref[hh] = alpha * acc_ref[hh] + lax.dot_general(
+                p_.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32
+            )
+            m_ref[hh] = m_new
+
+    if prm.heads_major:
+        page = page_heads_major  # noqa: F811 - the layout picks the page body
 
     compute = (flags & COMPUTE) != 0
     for p in range(n):
@@ -309,7 +369,9 @@ def safe_table(prm: DecodeParams, block_table, lengths):
 # The pallas_call.
 
 
-def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, table, interpret):
+def decode_call(
+    prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, table, interpret, kv_mask=None
+):
     """Partial outputs (o [cores, B, Hkv, R, Dv] f32, lse [cores, B, Hkv, R, 1] f32).
 
     q4 [B, Hkv, R, D]; caches contiguous [Bc, S, Hkv, D] (or [Bc, S, D] when
@@ -352,17 +414,27 @@ def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, 
         pl.BlockSpec((None, None, hb, br, prm.head_dim_v), out_map),
         pl.BlockSpec((None, None, hb, br, 1), out_map),
     )
-    heads = () if prm.squeezed else (hb,)
+    if prm.squeezed:
+        block = lambda dim: (prm.page, dim)  # noqa: E731
+    elif prm.heads_major:
+        block = lambda dim: (hb, prm.page, dim)  # noqa: E731
+    else:
+        block = lambda dim: (prm.page, hb, dim)  # noqa: E731
     scratch = [
-        pltpu.VMEM((nslot, n, prm.page, *heads, prm.head_dim), k_cache.dtype),
-        pltpu.VMEM((nslot, n, prm.page, *heads, prm.head_dim_v), v_cache.dtype),
-        pltpu.SemaphoreType.DMA((nslot, 2, n)),
+        pltpu.VMEM((nslot, n, *block(prm.head_dim)), k_cache.dtype),
+        pltpu.VMEM((nslot, n, *block(prm.head_dim_v)), v_cache.dtype),
+        pltpu.SemaphoreType.DMA((nslot, 3, n)),
         pltpu.VMEM((hb, br, 1), jnp.float32),
         pltpu.VMEM((hb, br, 1), jnp.float32),
         pltpu.VMEM((hb, br, prm.head_dim_v), jnp.float32),
     ]
+    operands = [q4, k_cache, v_cache]
+    if prm.has_kv_mask:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        scratch.append(pltpu.VMEM((nslot, n, 1, prm.page), jnp.int32))
+        operands.append(kv_mask)
     # Per the cache's capacity: the lengths are data, unknown when tracing.
-    keys = (table.shape[1] * prm.page) if prm.paged else k_cache.shape[1]
+    keys = prm.cache_len or table.shape[1] * prm.page
     q_rows = nseq * hkv * rows
     cost = pl.CostEstimate(
         flops=int(2 * q_rows * keys * (prm.head_dim + prm.head_dim_v)),
@@ -389,7 +461,7 @@ def decode_call(prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, 
         cost_estimate=cost,
         interpret=interpret,
         name="flash_attention_decode",
-    )(lengths, sched, table, q4, k_cache, v_cache)
+    )(lengths, sched, table, *operands)
 
 
 def combine(o, lse, touched, sinks_rows):

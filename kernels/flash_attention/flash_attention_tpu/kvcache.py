@@ -9,6 +9,7 @@ tiling.decode_plan, argument rules from checks.check_kvcache_inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -106,6 +107,8 @@ def flash_attention_kvcache(
     softcap=None,
     softmax_scale=None,
     return_lse=False,
+    cache_layout="bshd",
+    kv_mask=None,
     config=None,
     interpret=False,
 ):
@@ -120,7 +123,10 @@ def flash_attention_kvcache(
     right) are relative to it. sinks [Hq]: a per-head logit added to the
     softmax denominator. Rows that see no key (and no sink): output 0, lse
     +inf. Lengths are clamped to the cache (checked values are the torch
-    wrapper's job: it reads them once in eager mode).
+    wrapper's job: it reads them once in eager mode). cache_layout "bhsd":
+    contiguous caches [B_cache, Hkv, S, D] (transformers' cache), and then
+    kv_mask [B, S] (nonzero: visible) may mask keys below the lengths too
+    (left padding).
     """
     pb = checks.check_kvcache_inputs(
         q,
@@ -130,6 +136,8 @@ def flash_attention_kvcache(
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
         sinks=sinks,
+        cache_layout=cache_layout,
+        kv_mask=kv_mask,
     )
     checks.scalars(softcap, softmax_scale)
     prm = decode_params(
@@ -141,6 +149,10 @@ def flash_attention_kvcache(
         softmax_scale=softmax_scale,
         config=config,
     )
+    if cache_layout == "bhsd":  # heads lead: one head's keys are whole tiles, any Hkv
+        prm = dataclasses.replace(
+            prm, heads_major=True, squeezed=False, has_kv_mask=kv_mask is not None
+        )
     out_dtype = q.dtype
     if q.dtype == jnp.float16:
         # No f16 vector path on every generation: computed in f32 (the whole
@@ -164,8 +176,10 @@ def flash_attention_kvcache(
         )
         max_blocks = -(-pb.cache_len // prm.block_kv)
     sched, steps, touched = kernel_decode.schedule(prm, lengths, max_blocks)
+    if kv_mask is not None:
+        kv_mask = kv_mask.astype(jnp.int32)
     o, lse = kernel_decode.decode_call(
-        prm, q4, k_cache, v_cache, lengths, sched, steps, table, interpret
+        prm, q4, k_cache, v_cache, lengths, sched, steps, table, interpret, kv_mask
     )
     sinks_rows = None
     if sinks is not None:

@@ -313,6 +313,58 @@ def _packed_segments(position_ids, batch, q_len, kv_len):
     return seg
 
 
+# Query lengths up to this (a decode step, speculative tokens) run the decode
+# kernel over the cache: it reads the keys where the cache holds them, every
+# head's in one ring of DMAs, instead of the dense kernel's blocks.
+DECODE_MAX_Q_LEN = 16
+
+
+def _decode_forward(query, key, value, attention_mask, causal, window, sinks, softcap, scaling, kw):
+    """A decode step through flash_attention_kvcache on transformers' [B, Hkv, S, D]
+    cache, or None when the call is not one (packed sequences)."""
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if kw.get("cu_seq_lens_q") is not None or q_len > kv_len:
+        return None
+    if (
+        attention_mask is None
+        and _packed_segments(kw.get("position_ids"), batch, q_len, kv_len) is not None
+    ):
+        return None
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, sinks)
+    ):
+        return None  # training: the decode kernel has no backward; the dense one has
+    kv_mask, length = None, kv_len
+    if attention_mask is not None:
+        if attention_mask.dim() == 2:
+            if attention_mask.shape[0] != batch or attention_mask.shape[1] > kv_len:
+                return None  # the dense path reports it
+            kv_mask = attention_mask.bool()
+            length = attention_mask.shape[1]  # a static cache's slots past it are unused
+        else:
+            kv_mask = _kv_valid_from_4d(
+                attention_mask, batch, q_len, kv_len, causal, window[0], window[1]
+            )
+        kv_mask = kv_mask.to(torch.int32)
+        if kv_mask.shape[1] < kv_len:
+            kv_mask = torch.nn.functional.pad(kv_mask, (0, kv_len - kv_mask.shape[1]))
+    lengths = torch.full((batch,), length, dtype=torch.int32, device=query.device)
+    out, _ = flash_attention_kvcache(
+        query.transpose(1, 2),
+        key,
+        value,
+        lengths,
+        sinks=sinks,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        softmax_scale=scaling,
+        cache_layout="bhsd",
+        kv_mask=kv_mask,
+    )
+    return out
+
+
 def attention_forward(
     module,
     query,
@@ -370,6 +422,13 @@ def attention_forward(
             softmax_scale=scaling,
         )
         return out.view(b, -1, hq, out.shape[-1]), None
+
+    if query.shape[2] <= DECODE_MAX_Q_LEN and (attention_mask is None or attention_mask.dim() != 3):
+        out = _decode_forward(
+            query, key, value, attention_mask, causal, window, sinks, softcap, scaling, kwargs
+        )
+        if out is not None:
+            return out, None
 
     q_seg = kv_seg = None
     if attention_mask is None:

@@ -269,8 +269,9 @@ _flash_attention_varlen = LIB.define_differentiable(
 # -- decode over a KV cache -------------------------------------------------------
 
 
-def _kvcache_statics(causal, left, right, softcap, softmax_scale):
+def _kvcache_statics(cache_layout, causal, left, right, softcap, softmax_scale):
     return dict(
+        cache_layout=cache_layout,
         causal=causal,
         window_size=(left, right),
         softcap=_softcap(softcap),
@@ -280,7 +281,7 @@ def _kvcache_statics(causal, left, right, softcap, softmax_scale):
 
 
 def _kvcache_kernel(
-    q, k_cache, v_cache, lengths, block_table, cache_batch_idx, sinks, *st, interpret
+    q, k_cache, v_cache, lengths, block_table, cache_batch_idx, kv_mask, sinks, *st, interpret
 ):
     return kvcache.flash_attention_kvcache(
         q,
@@ -289,6 +290,7 @@ def _kvcache_kernel(
         lengths,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
+        kv_mask=kv_mask,
         sinks=sinks,
         config=None,
         interpret=interpret,
@@ -296,7 +298,9 @@ def _kvcache_kernel(
     )
 
 
-def _kvcache_reference(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, sinks, *st):
+def _kvcache_reference(
+    q, k_cache, v_cache, lengths, block_table, cache_batch_idx, kv_mask, sinks, *st
+):
     statics = _kvcache_statics(*st)
     del statics["return_lse"]
     out, lse = reference.attention_kvcache_reference(
@@ -306,13 +310,16 @@ def _kvcache_reference(q, k_cache, v_cache, lengths, block_table, cache_batch_id
         lengths,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
+        kv_mask=kv_mask,
         sinks=sinks,
         **statics,
     )
     return out.astype(q.dtype), lse
 
 
-def _kvcache_check(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, sinks, *_):
+def _kvcache_check(
+    q, k_cache, v_cache, lengths, block_table, cache_batch_idx, kv_mask, sinks, cache_layout, *_
+):
     checks.check_kvcache_inputs(
         q,
         k_cache,
@@ -321,14 +328,16 @@ def _kvcache_check(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, s
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
         sinks=sinks,
+        cache_layout=cache_layout,
+        kv_mask=kv_mask,
     )
 
 
 _flash_attention_kvcache = LIB.define(
     "flash_attention_kvcache",
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
-    "Tensor? cache_batch_idx, Tensor? sinks, bool causal, int window_left, int window_right, "
-    "float softcap, float softmax_scale) -> (Tensor, Tensor)",
+    "Tensor? cache_batch_idx, Tensor? kv_mask, Tensor? sinks, str cache_layout, bool causal, "
+    "int window_left, int window_right, float softcap, float softmax_scale) -> (Tensor, Tensor)",
     kernel=_kvcache_kernel,
     reference=_kvcache_reference,
     check=_kvcache_check,
@@ -471,31 +480,38 @@ def flash_attention_kvcache(
     window_size=(-1, -1),
     softcap=None,
     softmax_scale=None,
+    cache_layout="bshd",
+    kv_mask=None,
 ):
     """Attention of q [B, Sq, Hq, D] over each sequence's first
     cache_seqlens[b] cached keys -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] f32).
 
     Caches contiguous [B_cache, S, Hkv, D] (cache_batch_idx picks each
     sequence's row) or paged [num_pages, page, Hkv, D] with block_table
-    [B, max_pages]. Forward only. In eager mode the lengths, table entries
-    and cache rows are read once and checked against the cache.
+    [B, max_pages]; cache_layout "bhsd": contiguous [B_cache, Hkv, S, D]
+    caches (transformers'), optionally with kv_mask [B, S] (nonzero: the key
+    may be seen). Forward only. In eager mode the lengths, table entries and
+    cache rows are read once and checked against the cache.
     """
     validate.check_tensors(
-        ("block_table", "cache_batch_idx", "s_aux"),
+        ("block_table", "cache_batch_idx", "kv_mask", "s_aux"),
         q=q,
         k_cache=k_cache,
         v_cache=v_cache,
         cache_seqlens=cache_seqlens,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
+        kv_mask=kv_mask,
         s_aux=sinks,
     )
     left, right = checks.window(window_size)
     softcap, scale = _scalars(softcap, softmax_scale, q.shape[-1] if q.dim() else 1)
     lengths = _index_tensor(cache_seqlens)
     table, rows = _index_tensor(block_table), _index_tensor(cache_batch_idx)
-    args = (q, k_cache, v_cache, lengths, table, rows, sinks, bool(causal), left, right)
-    args += (softcap, scale)
+    if kv_mask is not None and kv_mask.dtype == torch.bool:
+        kv_mask = kv_mask.to(torch.int32)
+    args = (q, k_cache, v_cache, lengths, table, rows, kv_mask, sinks, cache_layout, bool(causal))
+    args += (left, right, softcap, scale)
     if all(t is None or _readable(t) for t in (lengths, table, rows)):
         _flash_attention_kvcache.check_args(args)
         sp = lambda t: None if t is None else validate.spec(t)  # noqa: E731
@@ -504,6 +520,8 @@ def flash_attention_kvcache(
             block_table=sp(table),
             cache_batch_idx=sp(rows),
             sinks=sp(sinks),
+            cache_layout=cache_layout,
+            kv_mask=sp(kv_mask),
         )
         values = lambda t: None if t is None else t.detach().cpu().numpy()  # noqa: E731
         checks.check_kvcache_values(

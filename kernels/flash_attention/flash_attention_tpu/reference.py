@@ -160,6 +160,8 @@ def attention_kvcache_reference(
     window_size=(-1, -1),
     softcap=None,
     softmax_scale=None,
+    cache_layout="bshd",
+    kv_mask=None,
 ):
     """flash_attn_with_kvcache's attention (no cache update), f32: (out
     [B, Sq, Hq, Dv], lse [B, Hq, Sq]).
@@ -171,6 +173,8 @@ def attention_kvcache_reference(
     """
     b, sq, hq, d = q.shape
     lens = jnp.asarray(cache_seqlens, jnp.int32)
+    if cache_layout == "bhsd":
+        k_cache, v_cache = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
     if block_table is not None:
         k = k_cache[block_table].reshape(b, -1, *k_cache.shape[2:])
         v = v_cache[block_table].reshape(b, -1, *v_cache.shape[2:])
@@ -183,6 +187,8 @@ def attention_kvcache_reference(
     qi = (lens[:, None] - sq + jnp.arange(sq)[None, :])[:, :, None]  # [B, Sq, 1]
     valid = kj < lens[:, None, None]
     mask = valid
+    if kv_mask is not None:
+        mask = mask & (jnp.asarray(kv_mask) != 0)[:, None, :]
     left, right = window_size
     if causal:
         right = 0 if right < 0 else min(right, 0)
