@@ -5,7 +5,8 @@ compiles jax.grad of the attention, i.e. the forward kernel (with its
 residuals) plus the dK/dV and dQ kernels; a "fwd" point is the inference path.
 
 The whole matrix runs in CI: generation x head_dim x {1k, 8k, 32k} x
-{causal, windowed} x {fwd, bwd}, plus decode fwd/bwd (126 points). The
+{causal, windowed} x {fwd, bwd}, plus decode fwd/bwd and 8k causal bwd at
+head_dim 40 and 224 (132 points). The
 prefill points of one generation, head_dim and mask get the same blocks, so
 the 32k bwd program holds every launch of the others at other sequence
 lengths (and the fwd launch is the one its bwd makes): they are checked as
@@ -36,6 +37,8 @@ PREFILL = (1024, 8192, 32768)
 POINTS = [
     *itertools.product(GENERATIONS, (64, 128, 256), PREFILL, ("causal", "window"), ("fwd", "bwd")),
     *itertools.product(GENERATIONS, (64, 128, 256), (DECODE,), ("causal",), ("fwd", "bwd")),
+    # Head dims off the 64/128/256 grid (any multiple of 8 is accepted).
+    *itertools.product(GENERATIONS, (40, 224), (8192,), ("causal",), ("bwd",)),
 ]
 # COMPILE_GATE=subset (local runs only; CI runs the whole matrix): the former CI
 # subset, every generation and head_dim, causal and windowed, 32k and decode.

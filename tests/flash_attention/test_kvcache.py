@@ -376,3 +376,38 @@ def test_kvcache_op_lowers_through_torch_tpu_jax_op_on_meta():
         *(q, kc, kc, lens, table, None, None, None, "bshd", True, -1, 0, 0.0, 0.088),
     )
     assert out.shape == q.shape and out.device.type == "meta" and lse.shape == (8, 32, 1)
+
+
+# -- flash-attn's packed forms ---------------------------------------------------
+
+
+def test_packed_forms_equal_the_unpacked_calls_and_their_grads():
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 9, 3, 2, 40, generator=g, requires_grad=True)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(4, 0))
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv.unbind(2))
+    want = fa.flash_attn_func(q, k, v, causal=True, window_size=(4, 0))
+    assert torch.equal(out, want)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want.backward(dout)
+    assert torch.equal(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=2))
+
+    qg = torch.randn(2, 9, 4, 40, generator=g)
+    kv = torch.randn(2, 9, 2, 2, 40, generator=g)  # GQA: 4 query heads on 2 kv heads
+    torch.testing.assert_close(
+        fa.flash_attn_kvpacked_func(qg, kv), fa.flash_attn_func(qg, kv[:, :, 0], kv[:, :, 1])
+    )
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    flat = qkv.detach().flatten(0, 1)[:9]  # [total, 3, H, D]
+    torch.testing.assert_close(
+        fa.flash_attn_varlen_qkvpacked_func(flat, cu, 5, causal=True),
+        fa.flash_attn_varlen_func(flat[:, 0], flat[:, 1], flat[:, 2], cu, cu, 5, 5, causal=True),
+    )
+    kvf = kv.flatten(0, 1)[:9]
+    torch.testing.assert_close(
+        fa.flash_attn_varlen_kvpacked_func(qg.flatten(0, 1)[:9], kvf, cu, cu, 5, 5),
+        fa.flash_attn_varlen_func(qg.flatten(0, 1)[:9], kvf[:, 0], kvf[:, 1], cu, cu, 5, 5),
+    )
+    with pytest.raises(ValueError, match=r"qkv: expected a tensor \[batch, seq, 3, heads"):
+        fa.flash_attn_qkvpacked_func(qkv.detach()[:, :, :2])

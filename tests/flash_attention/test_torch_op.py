@@ -414,7 +414,7 @@ BAD_DENSE = [
         r"k: expected a number of kv heads dividing the 4 query heads",
     ),
     (lambda: (_qkv(dk=80), {}), ValueError, r"k: expected head_dim 64 like q, got 80"),
-    (lambda: (_qkv(d=32, dk=32), {}), ValueError, r"q: expected head_dim in"),
+    (lambda: (_qkv(d=36, dk=36), {}), ValueError, r"q: expected head_dim a multiple of 8"),
     (
         lambda: (_qkv(dtype=torch.float64), {}),
         ValueError,

@@ -14,7 +14,11 @@ layers.py flash-attn's functions and transformers' `attention_forward`.
 from .layers import (
     attention_forward,
     flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
 from .ops import LIB as LIB
@@ -22,6 +26,10 @@ from .ops import LIB as LIB
 __all__ = [
     "attention_forward",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]

@@ -13,7 +13,21 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# flash-attn's rule: any multiple of 8 up to 256 (the kernels take the head
+# dim whole as a block's last dim, so any size is a legal block; VMEM pads it
+# to 128 lanes).
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+
+
+def check_head_dim(name: str, d: int) -> None:
+    if d % HEAD_DIM_MULTIPLE or not 0 < d <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"{name}: expected head_dim a multiple of {HEAD_DIM_MULTIPLE} in "
+            f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}], got {d}"
+        )
+
+
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -160,10 +174,8 @@ def check_inputs(
         )
     if dk != d:
         raise ValueError(f"k: expected head_dim {d} like q, got {dk}")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
-    if dv not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"v: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {dv}")
+    check_head_dim("q", d)
+    check_head_dim("v", dv)
     left, right = window(window_size)
     scalars(softcap, softmax_scale)
     if sinks is not None:
@@ -326,10 +338,8 @@ def check_kvcache_inputs(
         )
     if dk != d:
         raise ValueError(f"k_cache: expected head_dim {d} like q, got {dk}")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {d}")
-    if dv not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"v_cache: expected head_dim in {SUPPORTED_HEAD_DIMS}, got {dv}")
+    check_head_dim("q", d)
+    check_head_dim("v_cache", dv)
     if sq == 0:
         raise ValueError("q: expected at least one query position, got seqlen_q 0")
     _int_array(cache_seqlens, "cache_seqlens", (b,))

@@ -115,6 +115,160 @@ def flash_attn_varlen_func(
     )
 
 
+# -- packed forms: q, k, v stacked in one tensor (flash-attn's *packed_func) ---------
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    s_aux=None,
+):
+    """qkv [B, S, 3, H, D] -> [B, S, H, D]; flash_attn_func on its three slices
+    (gradients flow back into qkv). Other arguments as flash_attn_func."""
+    _packed("qkv", qkv, 5, 3, "[batch, seq, 3, heads, head_dim]")
+    q, k, v = qkv.unbind(dim=2)
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    s_aux=None,
+):
+    """q [B, Sq, Hq, D], kv [B, Skv, 2, Hkv, D] -> [B, Sq, Hq, D] (GQA as
+    flash_attn_func). Other arguments as flash_attn_func."""
+    _packed("kv", kv, 5, 2, "[batch, seq, 2, kv_heads, head_dim]")
+    k, v = kv.unbind(dim=2)
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux,
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    s_aux=None,
+):
+    """Packed sequences, qkv [total, 3, H, D] -> [total, H, D]; one cu_seqlens
+    and max_seqlen for queries and keys. Other arguments as flash_attn_varlen_func."""
+    _packed("qkv", qkv, 4, 3, "[total, 3, heads, head_dim]")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    s_aux=None,
+):
+    """Packed sequences, q [total_q, Hq, D], kv [total_k, 2, Hkv, D] ->
+    [total_q, Hq, D]. Other arguments as flash_attn_varlen_func."""
+    _packed("kv", kv, 4, 2, "[total, 2, kv_heads, head_dim]")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux,
+    )
+
+
+def _packed(name, x, rank, parts, layout):
+    axis = rank - 3
+    if not isinstance(x, torch.Tensor) or x.dim() != rank or x.shape[axis] != parts:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a tensor {layout}, got {got}")
+
+
 def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx):
     """Writes k/v [B, S_new, Hkv, D] into the caches (in place) at each
     sequence's positions lengths[b] .. lengths[b] + S_new - 1."""
