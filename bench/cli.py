@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--kernels",
         type=_strs,
         default=["moe", "rmsnorm", "attention"],
-        help="comma list of moe, rmsnorm, attention",
+        help="comma list of moe, rmsnorm, attention, decode_attention (decode over a KV "
+        "cache: not in the default run)",
     )
     p.add_argument(
         "--models", type=_strs, default=None, help="comma list of MoE models (default: all four)"
@@ -83,6 +84,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="comma list of fwd, train (forward + backward); default fwd for "
         "--quick, both otherwise",
+    )
+    p.add_argument(
+        "--decode-batches", type=_ints, default=None, help="decode_attention batches (1,8,64,256)"
+    )
+    p.add_argument(
+        "--decode-contexts",
+        type=_ints,
+        default=None,
+        help="decode_attention cached tokens per sequence (1024,4096,16384)",
     )
     p.add_argument("--seed", type=int, default=0, help="routing seed")
     p.add_argument(
@@ -189,6 +199,13 @@ def build_tasks(args):
         for n in seqs:
             for d in dirs:
                 tasks += [(i, points.AttentionPoint(n, direction=d)) for i in impls("attention")]
+    if "decode_attention" in args.kernels:
+        batches = args.decode_batches or list(points.DECODE_BATCHES)
+        contexts = args.decode_contexts or list(points.DECODE_CONTEXTS)
+        for b in batches:
+            for n in contexts:
+                pt = points.DecodeAttentionPoint(b, n)
+                tasks += [(i, pt) for i in impls("decode_attention")]
     return tasks
 
 

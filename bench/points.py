@@ -151,3 +151,106 @@ class AttentionPoint:
     def roofline_s(self, generation: str) -> float:
         c = model.chip(generation)
         return max(self.min_bytes() / c.hbm_bytes_per_s, self.useful_flops() / c.peak_flops)
+
+
+# Decode attention over a KV cache: batch x context (issue: 1-512 x 1k-32k).
+DECODE_BATCHES = (1, 8, 64, 256)
+DECODE_CONTEXTS = (1024, 4096, 16384)
+DECODE_PAGE = 256  # flash-attn's paged caches take multiples of 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionPoint:
+    """One decode step: one new query per sequence attending to `context`
+    cached keys of each of `batch` sequences. The cache is paged in flash-attn's
+    layout, [pages, page, Hkv, D] with a [batch, pages_per_seq] table whose
+    pages are each sequence's in order (so the contiguous [B, S, Hkv, D] view
+    is a free reshape); implementations with another native layout get the
+    cache in theirs (adapt_args: an input layout, not a copy in the program).
+    `capacity` > context: each sequence's cache has room it does not use yet.
+    """
+
+    batch: int
+    context: int
+    capacity: int = 0  # 0: = context
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page: int = DECODE_PAGE
+    dtype: str = "bfloat16"
+    kernel = "decode_attention"
+
+    @property
+    def cache_len(self) -> int:
+        return max(self.capacity, self.context)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch
+
+    def labels(self) -> dict:
+        return dict(
+            batch=self.batch,
+            context=self.context,
+            cache_len=self.cache_len,
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            page=self.page,
+            dtype=self.dtype,
+            tokens=self.tokens,
+        )
+
+    @property
+    def walk_key(self):
+        return ("decode_attention",) + tuple(self.labels().values())
+
+    compile_key = walk_key
+
+    def _shapes(self):
+        dt = jnp.dtype(self.dtype)
+        pps = -(-self.cache_len // self.page)
+        q = jax.ShapeDtypeStruct((self.batch, self.q_heads, self.head_dim), dt)
+        cache = jax.ShapeDtypeStruct(
+            (self.batch * pps, self.page, self.kv_heads, self.head_dim), dt
+        )
+        return q, cache, pps
+
+    def _table(self):
+        pps = self._shapes()[2]
+        return jnp.arange(self.batch * pps, dtype=jnp.int32).reshape(self.batch, pps)
+
+    def compile_args(self):
+        q, cache, pps = self._shapes()
+        return (
+            q,
+            cache,
+            cache,
+            jax.ShapeDtypeStruct((self.batch,), jnp.int32),
+            jax.ShapeDtypeStruct((self.batch, pps), jnp.int32),
+        )
+
+    def walker_args(self):
+        """Lengths and the table are concrete: they decide the grid."""
+        q, cache, _ = self._shapes()
+        lengths = jnp.full((self.batch,), self.context, jnp.int32)
+        return (q, cache, cache, lengths, self._table())
+
+    def real_args(self, key=0):
+        ks = jax.random.split(jax.random.key(key), 3)
+        q, cache, _ = self._shapes()
+        rnd = lambda k, a: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)  # noqa: E731
+        lengths = jnp.full((self.batch,), self.context, jnp.int32)
+        return (rnd(ks[0], q), rnd(ks[1], cache), rnd(ks[2], cache), lengths, self._table())
+
+    def min_bytes(self) -> int:
+        it = jnp.dtype(self.dtype).itemsize
+        kv = 2 * self.batch * self.context * self.kv_heads * self.head_dim * it
+        return kv + 2 * self.batch * self.q_heads * self.head_dim * it
+
+    def useful_flops(self) -> int:
+        return 4 * self.batch * self.q_heads * self.context * self.head_dim
+
+    def roofline_s(self, generation: str) -> float:
+        c = model.chip(generation)
+        return max(self.min_bytes() / c.hbm_bytes_per_s, self.useful_flops() / c.peak_flops)

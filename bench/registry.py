@@ -561,3 +561,118 @@ register(
         baseline=True,
     )
 )
+
+
+# --------------------------------------------------------------------------
+# Decode attention: q (B,Hq,D), paged cache (P,page,Hkv,D) x2, lengths (B,),
+# table (B,pages) -> (B,Hq,D). See points.DecodeAttentionPoint.
+# --------------------------------------------------------------------------
+
+
+def _ours_decode_paged(point, generation, ctx) -> Built:
+    kv = _import("flash_attention_tpu.kvcache")
+
+    def fn(q, k, v, lengths, table):
+        out = kv.flash_attention_kvcache(
+            q[:, None], k, v, lengths, block_table=table, config=generation
+        )
+        return out[:, 0]
+
+    return Built(fn, ("ours_decode_paged", generation))
+
+
+def _ours_decode_contiguous(point, generation, ctx) -> Built:
+    kv = _import("flash_attention_tpu.kvcache")
+
+    def adapt(q, k, v, lengths, table):
+        b = point.batch
+        shape = (b, -1) + tuple(k.shape[2:])
+        if isinstance(k, jax.ShapeDtypeStruct):
+            rows = k.shape[0] * k.shape[1] // b
+            view = jax.ShapeDtypeStruct((b, rows) + tuple(k.shape[2:]), k.dtype)
+            return q, view, view, lengths
+        return q, k.reshape(shape), v.reshape(shape), lengths
+
+    def fn(q, k, v, lengths):
+        return kv.flash_attention_kvcache(q[:, None], k, v, lengths, config=generation)[:, 0]
+
+    return Built(fn, ("ours_decode_contiguous", generation), adapt_args=adapt)
+
+
+def _jax_paged_attention(point, generation, ctx) -> Built:
+    pa = _import("jax.experimental.pallas.ops.tpu.paged_attention")
+    pages = -(-point.cache_len // point.page)
+    # its compute block: the pages-per-step divisor of the table closest to
+    # our kernel's ~256-position x 8-head steps (1024 positions of one head)
+    ppcb = max(c for c in range(1, pages + 1) if pages % c == 0 and c * point.page <= 1024)
+
+    def adapt(q, k, v, lengths, table):
+        if isinstance(k, jax.ShapeDtypeStruct):
+            p, page, h, d = k.shape
+            k = v = jax.ShapeDtypeStruct((h, p, page, d), k.dtype)
+        else:
+            k, v = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
+        return q, k, v, lengths, table
+
+    def fn(q, k, v, lengths, table):
+        scale = point.head_dim**-0.5
+        return pa.paged_attention(
+            q * jnp.asarray(scale, q.dtype), k, v, lengths, table, pages_per_compute_block=ppcb
+        )
+
+    note = f"its own cache layout [Hkv, pages, page, D]; pages_per_compute_block={ppcb}"
+    return Built(fn, ("jax_paged_attention", ppcb), notes=(note,), adapt_args=adapt)
+
+
+def _xla_decode_attention(point, generation, ctx) -> Built:
+    def fn(q, k, v, lengths, table):
+        b, hq, d = q.shape
+        kc = k[table].reshape(b, -1, k.shape[2], d)
+        vc = v[table].reshape(b, -1, v.shape[2], d)
+        grp = hq // kc.shape[2]
+        s = jnp.einsum(
+            "bhgd,bkhd->bhgk", q.reshape(b, -1, grp, d), kc, preferred_element_type=jnp.float32
+        ) * (d**-0.5)
+        valid = jnp.arange(kc.shape[1])[None, None, None, :] < lengths[:, None, None, None]
+        p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
+        out = jnp.einsum("bhgk,bkhd->bhgd", p.astype(vc.dtype), vc)
+        return out.reshape(b, hq, d)
+
+    return Built(fn, ("xla_decode_attention",))
+
+
+register(
+    Impl(
+        "ours_decode_paged",
+        "decode_attention",
+        "flash_attention_tpu.kvcache.flash_attention_kvcache, paged cache (block_table)",
+        _ours_decode_paged,
+        ours=True,
+    )
+)
+register(
+    Impl(
+        "ours_decode_contiguous",
+        "decode_attention",
+        "flash_attention_tpu.kvcache.flash_attention_kvcache, contiguous [B, S, Hkv, D] cache",
+        _ours_decode_contiguous,
+        ours=True,
+    )
+)
+register(
+    Impl(
+        "jax_paged_attention",
+        "decode_attention",
+        "jax.experimental.pallas.ops.tpu.paged_attention (its layout, ~1k-position blocks)",
+        _jax_paged_attention,
+    )
+)
+register(
+    Impl(
+        "xla_decode_attention",
+        "decode_attention",
+        "gather the pages, softmax(qK^T)V compiled by XLA",
+        _xla_decode_attention,
+        baseline=True,
+    )
+)

@@ -72,6 +72,8 @@ def _point_key(r: dict) -> tuple:
         return (r["model"], r["routing"], r["tokens"])
     if r["kernel"] == "rmsnorm":
         return (r["hidden"], r["tokens"])
+    if r["kernel"] == "decode_attention":
+        return (r["context"], r["batch"], r["cache_len"], r["q_heads"], r["kv_heads"])
     return (
         r["seq"],
         r.get("direction", "fwd"),
@@ -86,6 +88,7 @@ _POINT_COLS = {
     "moe": ["model", "routing", "tokens"],
     "rmsnorm": ["hidden", "tokens"],
     "attention": ["seq", "direction", "batch", "q_heads", "kv_heads", "head_dim"],
+    "decode_attention": ["context", "batch", "cache_len", "q_heads", "kv_heads", "head_dim"],
 }
 
 
@@ -333,7 +336,52 @@ def plots(out_dir: str, records: list, gens: list) -> list[str]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         files.append(path)
+    files += _decode_attention_plot(plt, out_dir, records, gens)
     return files
+
+
+def _decode_attention_plot(plt, out_dir, records, gens) -> list[str]:
+    """Scheduled time over the KV-bytes roofline against batch, one line per
+    implementation and context (1.0 = the cache read at full HBM bandwidth)."""
+    recs = [r for r in records if r["kernel"] == "decode_attention"]
+    if not recs:
+        return []
+    impls = _impl_order(recs)
+    contexts = sorted({r["context"] for r in recs})
+    colors = {i: plt.cm.tab10(k % 10) for k, i in enumerate(impls)}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, len(gens), figsize=(5.2 * len(gens), 4.2), squeeze=False)
+    for ax, gen in zip(axes[0], gens):
+        for impl in impls:
+            for n, ls in zip(contexts, styles * 4):
+                pts = []
+                for r in recs:
+                    g = r["per_generation"].get(gen, {})
+                    if r["impl"] == impl and r["context"] == n and g.get("status") == "ok":
+                        pts.append((r["batch"], headline_us(g) / g["roofline_us"]))
+                if pts:
+                    ax.plot(
+                        *zip(*sorted(pts)),
+                        ls,
+                        marker="o",
+                        ms=3,
+                        color=colors[impl],
+                        label=f"{impl} ({n} ctx)",
+                    )
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel("scheduled time / KV-bytes roofline")
+        ax.set_title(f"decode attention — {gen}")
+        ax.grid(alpha=0.3, which="both")
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "decode_attention.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
 
 
 def write_all(out_dir: str, records: list, env: dict, meta: dict) -> list[str]:

@@ -372,14 +372,16 @@ def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
 # Decode over a KV cache (kernel_decode.py).
 #
 # The kernel is HBM-bound on the cache, so a step should move enough bytes to
-# hide the fixed per-step cost (0.35 us is ~560 KB at v6e's 1.6 TB/s): K
-# blocks of ~512 KiB, all kv heads of a step in one block up to 8. A paged
-# cache is read a page per input, so a step takes several pages (one block
-# spec each) to reach the same size.
+# hide its fixed costs (0.35 us is ~560 KB at v6e's 1.6 TB/s): K blocks of
+# ~1 MiB, all kv heads of a step in one block up to 8; a paged cache's step
+# takes several pages. Scheduled v6e, 32/8 heads d=128, x the KV-bytes
+# roofline: 64 x 1k tokens 1.49 (512 KiB) -> 1.21 (1 MiB) -> 1.21 (2 MiB);
+# 64 x 4k 1.24 -> 1.17 -> 1.16. The DMA model's own floor is 1.15 (copies
+# at 87% of HBM bandwidth, bench/schedule.py).
 
-DECODE_TARGET_BYTES = 512 * 1024
+DECODE_TARGET_BYTES = 1024 * 1024
 # Items in the kernel's DMA ring: 3 in flight hide a 1.35 us DMA latency
-# behind ~1 MiB steps (bench's model: 1 MiB moves in ~0.7 us on v6e).
+# behind ~2 MiB steps (K and V; bench's model moves 1 MiB in ~0.7 us on v6e).
 DECODE_SLOTS = 4
 # Up to this size every sequence's queries are one resident VMEM block: a q
 # block fetched per sequence exposes a DMA latency at each sequence change
