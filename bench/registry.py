@@ -599,6 +599,29 @@ def _ours_decode_contiguous(point, generation, ctx) -> Built:
     return Built(fn, ("ours_decode_contiguous", generation), adapt_args=adapt)
 
 
+def _ours_decode_heads_major(point, generation, ctx) -> Built:
+    """transformers' cache layout [B, Hkv, S, D] (StaticCache; attention_forward's
+    decode route), no mask."""
+    kv = _import("flash_attention_tpu.kvcache")
+
+    def adapt(q, k, v, lengths, table):
+        b = point.batch
+        if isinstance(k, jax.ShapeDtypeStruct):
+            p, page, h, d = k.shape
+            view = jax.ShapeDtypeStruct((b, h, p * page // b, d), k.dtype)
+            return q, view, view, lengths
+        to = lambda x: x.reshape(b, -1, *x.shape[2:]).transpose(0, 2, 1, 3)  # noqa: E731
+        return q, to(k), to(v), lengths
+
+    def fn(q, k, v, lengths):
+        out = kv.flash_attention_kvcache(
+            q[:, None], k, v, lengths, cache_layout="bhsd", config=generation
+        )
+        return out[:, 0]
+
+    return Built(fn, ("ours_decode_heads_major", generation), adapt_args=adapt)
+
+
 def _jax_paged_attention(point, generation, ctx) -> Built:
     pa = _import("jax.experimental.pallas.ops.tpu.paged_attention")
     pages = -(-point.cache_len // point.page)
@@ -656,6 +679,15 @@ register(
         "decode_attention",
         "flash_attention_tpu.kvcache.flash_attention_kvcache, contiguous [B, S, Hkv, D] cache",
         _ours_decode_contiguous,
+        ours=True,
+    )
+)
+register(
+    Impl(
+        "ours_decode_heads_major",
+        "decode_attention",
+        "flash_attention_tpu.kvcache.flash_attention_kvcache, transformers' [B, Hkv, S, D] cache",
+        _ours_decode_heads_major,
         ours=True,
     )
 )

@@ -377,9 +377,12 @@ def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
 # takes several pages. Scheduled v6e, 32/8 heads d=128, x the KV-bytes
 # roofline: 64 x 1k tokens 1.49 (512 KiB) -> 1.21 (1 MiB) -> 1.21 (2 MiB);
 # 64 x 4k 1.24 -> 1.17 -> 1.16. The DMA model's own floor is 1.15 (copies
-# at 87% of HBM bandwidth, bench/schedule.py).
+# at 87% of HBM bandwidth, bench/schedule.py). tpu7x moves bytes twice as
+# fast, so its steps are twice as big: [B, Hkv, S, D] cache, 64 x 4k 1.35 ->
+# 1.21 (2 MiB), 64 x 1k 1.94 -> 1.31; flash-attn's [B, S, Hkv, D] cache,
+# VALU-bound there, 64 x 4k 1.56 -> 1.43.
 
-DECODE_TARGET_BYTES = 1024 * 1024
+DECODE_TARGET_BYTES = {"v5e": 1 * MiB, "v6e": 1 * MiB, "tpu7x": 2 * MiB}
 # Items in the kernel's DMA ring: 3 in flight hide a 1.35 us DMA latency
 # behind ~2 MiB steps (K and V; bench's model moves 1 MiB in ~0.7 us on v6e).
 DECODE_SLOTS = 4
@@ -464,7 +467,10 @@ def decode_plan(
     d_lanes = _lanes(head_dim)
     want = bs.block_kv or min(
         DECODE_MAX_BLOCK_KV,
-        max(DECODE_MIN_BLOCK_KV, _pow2_floor(DECODE_TARGET_BYTES // (hb * d_lanes * itemsize))),
+        max(
+            DECODE_MIN_BLOCK_KV,
+            _pow2_floor(DECODE_TARGET_BYTES[generation] // (hb * d_lanes * itemsize)),
+        ),
     )
     if page is None:
         bkv = cache_len if want >= cache_len else want
