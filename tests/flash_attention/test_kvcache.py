@@ -190,6 +190,9 @@ def test_kvcache_matches_reference(c):
             "heads-major-mask",
             dict(b=2, sq=1, hq=8, hkv=2, lens=[80, 61], splits=2, block_kv=32, heads_major=True),
         ),
+        # 512-position blocks scored 256 positions at a time, the last block
+        # of the 600-position cache shifted back inside it.
+        ("chunks", dict(b=1, sq=1, hq=2, hkv=2, lens=[600], block_kv=512, cap=600)),
         # Query rows past the keys (Sq > length): rows that see nothing.
         ("short", dict(b=2, sq=5, hq=2, hkv=2, lens=[3, 0], causal=True)),
     ],
@@ -205,7 +208,7 @@ def test_kvcache_cases(name, kw):
         hq=kw.pop("hq"),
         hkv=kw.pop("hkv"),
         d=64,
-        cap=80 if not kw.get("page") else 64,
+        cap=kw.pop("cap", 80 if not kw.get("page") else 64),
         page=kw.pop("page", None),
         lens=kw.pop("lens"),
         dtype=jnp.bfloat16,
