@@ -17,6 +17,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -414,3 +415,16 @@ def test_packed_forms_equal_the_unpacked_calls_and_their_grads():
     )
     with pytest.raises(ValueError, match=r"qkv: expected a tensor \[batch, seq, 3, heads"):
         fa.flash_attn_qkvpacked_func(qkv.detach()[:, :, :2])
+
+
+def test_batch_past_the_schedule_word_is_rejected():
+    """The work list packs (sequence, block) into one int32 word: a batch it
+    cannot address is an error, not a wrong answer."""
+    b = kernel_decode.MAX_SEQS + 1
+    q = jax.ShapeDtypeStruct((b, 1, 8, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((b, 64, 2, 64), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    with pytest.raises(ValueError, match="q: expected at most 4096 sequences"):
+        jax.eval_shape(
+            lambda *a: kvcache.flash_attention_kvcache(*a, config="v6e"), q, cache, cache, lens
+        )

@@ -1,21 +1,27 @@
 """Decode attention over a KV cache (flash-attn's `flash_attn_with_kvcache`):
 the Pallas kernel and the compact schedule it walks.
 
-Layout. The cache is read where it lies, in flash-attn's layout: contiguous
-[B_cache, S, Hkv, D] or paged [num_pages, page, Hkv, D] (MQA caches are
-viewed as [.., S, D]). One grid step DMAs `block_kv` positions of
-`heads_per_block` kv heads at once (a (positions, heads, D) block: the last
-two dims are whole, so the block is legal for any head count) and takes each
-head out of it in VMEM. The G = Hq / Hkv query heads sharing a kv head are
-stacked into the matmul rows of that head, ordered (query position, head), so
-one decode token still fills G rows: q is handed over as [B, Hkv, Sq * G, D].
+Layout. The cache is read where it lies: flash-attn's contiguous
+[B_cache, S, Hkv, D] or paged [num_pages, page, Hkv, D] (MQA caches viewed as
+[.., S, D]), or transformers' [B_cache, Hkv, S, D] with an optional per-key
+keep mask. It stays in HBM: the kernel copies each step's pages itself, into
+a ring of `slots` items so that slots - 1 copies (each a DMA latency long) are
+in flight while one is computed, across sequence boundaries. The G = Hq / Hkv
+query heads sharing a kv head are stacked into the matmul rows of that head,
+ordered (query position, head), so one decode token still fills G rows: q is
+handed over as [B, Hkv, Sq * G, D]. In flash-attn's layout the kv heads of a
+position are interleaved in each VMEM tile, so one matmul scores every head
+against every key of a chunk and a mask keeps the same-head pairs (taking a
+head out of its strided place costs more VPU work than the wasted MXU work);
+in transformers' layout each head's keys are whole tiles and get their own
+matmuls.
 
 Schedule. Which cache blocks a step reads is data: each sequence has its own
 length (and window start), so the wrapper builds a flat list of (sequence,
 block) work items from the scalar-prefetched lengths and the grid walks
 exactly that list (a dynamic grid dimension): blocks past a sequence's end,
 or before its window, cost neither a DMA nor a grid step. With several
-TensorCores per device (v5p) the list is cut into equal halves along a
+TensorCores per device (v5p) the list is cut into equal parts along a
 parallel grid axis: a long sequence of a small batch is then split across
 cores (flash-decoding), each core writes a partial (output, logsumexp) per
 sequence it touched, and `combine` merges them (plus the attention sinks).

@@ -175,6 +175,13 @@ def flash_attention_kvcache(
             else jnp.asarray(cache_batch_idx).astype(jnp.int32)
         )
         max_blocks = -(-pb.cache_len // prm.block_kv)
+    if b > kernel_decode.MAX_SEQS or max_blocks > kernel_decode.MAX_BLOCKS:
+        # the schedule packs (sequence, block) into one int32 word
+        raise ValueError(
+            f"q: expected at most {kernel_decode.MAX_SEQS} sequences and "
+            f"{kernel_decode.MAX_BLOCKS} cache blocks per sequence, got batch {b} and "
+            f"{max_blocks} blocks of {prm.block_kv} positions"
+        )
     sched, steps, touched = kernel_decode.schedule(prm, lengths, max_blocks)
     if kv_mask is not None:
         kv_mask = kv_mask.astype(jnp.int32)
