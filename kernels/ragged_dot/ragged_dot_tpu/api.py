@@ -46,17 +46,36 @@ def _hbm_view(rhs, transpose_rhs):
     return rhs, transpose_rhs, False
 
 
+def _kernel_scale(rhs_scale):
+    """[G, N] per-output-channel scales as the kernel takes them: [G, 1, N] f32."""
+    if rhs_scale is None:
+        return None
+    return rhs_scale.astype(jnp.float32)[:, None, :]
+
+
 def ragged_dot_fwd(
-    lhs, rhs, group_sizes, group_offset, *, transpose_rhs, preferred_element_type, config, interpret
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    rhs_scale,
+    *,
+    transpose_rhs,
+    preferred_element_type,
+    config,
+    interpret,
 ):
     """Forward rule: (out, residuals). No residuals: the backward needs only the inputs."""
     fwd, _, _ = _configs(config)
     rhs, transpose_rhs, _ = _hbm_view(rhs, transpose_rhs)
+    scale = _kernel_scale(rhs_scale)
     out = gmm(
         lhs,
         rhs,
         group_sizes,
         group_offset=group_offset,
+        rhs_scale=scale,
+        scale_axis=None if scale is None else "n",
         transpose_rhs=transpose_rhs,
         preferred_element_type=preferred_element_type,
         config=fwd,
@@ -68,13 +87,29 @@ def ragged_dot_fwd(
 def ragged_dot_bwd(
     args, out, residuals, grad, *, transpose_rhs, preferred_element_type, config, interpret
 ):
-    """Backward rule: (d_lhs, d_rhs, None, None) from the inputs and the output cotangent."""
-    lhs, rhs, group_sizes, group_offset = args
+    """Backward rule: (d_lhs, d_rhs, None, None, None) from the inputs and the
+    output cotangent. Quantized weights are frozen: d_rhs and d_scale are None."""
+    lhs, rhs, group_sizes, group_offset, rhs_scale = args
     _, cfg_lhs, cfg_rhs = _configs(config)
     rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
     # The MXU runs in the inputs' dtype: a wider cotangent (f32 output of bf16
     # inputs) is rounded once, here, whichever operand of tgmm it becomes.
     grad = grad.astype(lhs.dtype)
+    if rhs_scale is not None:
+        # d_lhs = grad @ (s * W)^T: the scales sit on the contraction axis.
+        d_lhs = gmm(
+            grad,
+            rhs,
+            group_sizes,
+            group_offset=group_offset,
+            rhs_scale=_kernel_scale(rhs_scale),
+            scale_axis="k",
+            transpose_rhs=not transpose_rhs,
+            preferred_element_type=lhs.dtype,
+            config=cfg_lhs,
+            interpret=interpret,
+        )
+        return d_lhs, None, None, None, None
     # rhs as [G, K, N]: d_lhs contracts grad with rhs on N (transposed read);
     # rhs as [G, N, K] (transpose_rhs): the same weights are already [G, N, K]
     # from d_lhs's point of view, so it is a plain gmm.
@@ -112,7 +147,7 @@ def ragged_dot_bwd(
         )
     if swapped:
         d_rhs = jnp.swapaxes(d_rhs, 1, 2)
-    return d_lhs, d_rhs, None, None
+    return d_lhs, d_rhs, None, None, None
 
 
 _ragged_dot = differentiable(ragged_dot_fwd, ragged_dot_bwd)
@@ -124,6 +159,7 @@ def ragged_dot(
     group_sizes,
     *,
     group_offset=0,
+    rhs_scale=None,
     preferred_element_type=None,
     config=None,
     interpret=False,
@@ -134,7 +170,12 @@ def ragged_dot(
     Args:
       lhs: [M, K] bfloat16 or float32, rows sorted by group.
       rhs: [G_local, K, N], same dtype as lhs ([G_local, N, K] with
-        transpose_rhs: torch-style Linear weights, used without a copy).
+        transpose_rhs: torch-style Linear weights, used without a copy); or
+        weight-only quantized, int8 or float8_e4m3fn, with rhs_scale.
+      rhs_scale: with quantized rhs, [G_local, N] float32 (or bfloat16)
+        per-output-channel scales: the weights are rhs[g, :, n] * rhs_scale[g, n].
+        Quantized weights and their scales are frozen: they get no gradient
+        (zeros), lhs does.
       group_sizes: int32 [G], G >= G_local. Rows past sum(group_sizes) come out
         zero (and get zero gradient).
       group_offset: first group this shard holds (expert parallelism); rows of
@@ -150,7 +191,13 @@ def ragged_dot(
       [M, N] array of dtype preferred_element_type.
     """
     checks.check_ragged_dot_args(
-        lhs, rhs, group_sizes, group_offset, preferred_element_type, transpose_rhs=transpose_rhs
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        preferred_element_type,
+        transpose_rhs=transpose_rhs,
+        rhs_scale=rhs_scale,
     )
     _configs(config)
     if preferred_element_type is not None:
@@ -161,6 +208,7 @@ def ragged_dot(
         rhs,
         group_sizes,
         group_offset,
+        rhs_scale,
         transpose_rhs=bool(transpose_rhs),
         preferred_element_type=preferred_element_type,
         config=config,
@@ -189,6 +237,8 @@ def _moe_program(
     gate_up_bias,
     down_bias,
     group_offset,
+    gate_up_scale=None,
+    down_scale=None,
     *,
     num_experts,
     has_gate,
@@ -201,6 +251,7 @@ def _moe_program(
     interpret,
 ):
     configs = dict(zip(("up", "down"), _moe_configs(config)))
+    scales = {"up": gate_up_scale, "down": down_scale}
     zero = jnp.zeros((), jnp.int32)
 
     def matmul(x, w, group_sizes, which):
@@ -209,6 +260,7 @@ def _moe_program(
             w,
             group_sizes,
             zero,
+            scales[which],
             transpose_rhs=not is_transposed,
             preferred_element_type=None,
             config=configs[which],
@@ -236,7 +288,8 @@ def _moe_program(
 
 # Forward and backward rules of the whole layer: jax.vjp's residuals of the
 # program (routing, gathered rows, projections), the kernels' own backward
-# rules applied to them; top_k_index and group_offset get no gradient.
+# rules applied to them; top_k_index, group_offset and the quantized weights'
+# scales get no gradient (quantized weights themselves get None from ragged_dot).
 moe_experts_fwd, moe_experts_bwd = split_vjp(_moe_program, diff=(0, 2, 3, 4, 5, 6))
 _moe_experts = differentiable(moe_experts_fwd, moe_experts_bwd)
 
@@ -263,6 +316,8 @@ def moe_experts(
     down,
     gate_up_bias=None,
     down_bias=None,
+    gate_up_scale=None,
+    down_scale=None,
     *,
     num_experts: int,
     has_gate: bool = True,
@@ -283,6 +338,9 @@ def moe_experts(
         when has_gate is False (up_proj only).
       down: [E, H, I] (or [E, I, H] if is_transposed).
       gate_up_bias: [E, 2I] or None. down_bias: [E, H] or None.
+      gate_up_scale, down_scale: with int8 / float8_e4m3fn weights (weight-only
+        quantization), their per-output-channel scales, [E, 2I] and [E, H]
+        float32 (or bfloat16); the weights are frozen (no gradient).
       num_experts: experts held here (E). group_offset: id of the first one;
         ids outside [group_offset, group_offset + E) are ignored.
       is_concatenated: gate/up halves ([gate; up]) vs interleaved (GPT-OSS).
@@ -304,6 +362,8 @@ def moe_experts(
         has_gate,
         is_transposed,
         activation,
+        gate_up_scale,
+        down_scale,
     )
     return _moe_experts(
         hidden,
@@ -314,6 +374,8 @@ def moe_experts(
         gate_up_bias,
         down_bias,
         jnp.asarray(group_offset, jnp.int32),
+        gate_up_scale,
+        down_scale,
         num_experts=num_experts,
         has_gate=has_gate,
         is_transposed=is_transposed,

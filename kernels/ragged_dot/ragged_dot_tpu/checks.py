@@ -34,12 +34,51 @@ def check_dtype(name: str, dtype) -> jnp.dtype:
     return dt
 
 
+def check_weight_scale(name: str, w, scale, n: int, scale_name: str) -> None:
+    """A weight's dtype and its per-output-channel scale: bfloat16/float32 weights
+    take no scale; int8/float8_e4m3fn weights need a [G, n] float32/bfloat16 one."""
+    wdt = jnp.dtype(w.dtype)
+    if not tiling.is_quantized(wdt):
+        if wdt not in tiling.SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name}.dtype: expected {_SUPPORTED}, or int8 / float8_e4m3fn with scales,"
+                f" got {wdt.name}"
+            )
+        if scale is not None:
+            raise ValueError(
+                f"{scale_name}: expected None for {wdt.name} {name} (scales go with int8 or"
+                f" float8_e4m3fn weights), got shape {tuple(np.shape(scale))}"
+            )
+        return
+    if scale is None:
+        raise ValueError(
+            f"{scale_name}: expected [{w.shape[0]}, {n}] per-output-channel scales for"
+            f" {wdt.name} {name}, got None"
+        )
+    want = (w.shape[0], n)
+    if tuple(np.shape(scale)) != want:
+        raise ValueError(
+            f"{scale_name}: expected shape {want} (one scale per expert and output"
+            f" channel), got {tuple(np.shape(scale))}"
+        )
+    if jnp.dtype(scale.dtype) not in tiling.SUPPORTED_DTYPES:
+        raise ValueError(f"{scale_name}: expected float32 or bfloat16, got {_dtype_name(scale)}")
+
+
 def check_ragged_dot_args(
-    lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None, *, transpose_rhs=False
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset=0,
+    preferred_element_type=None,
+    *,
+    transpose_rhs=False,
+    rhs_scale=None,
 ) -> None:
     """Raises ValueError naming the argument when shapes or dtypes are wrong.
 
-    lhs [M, K] and rhs [G_local, K, N] share a dtype (bfloat16 or float32);
+    lhs [M, K] and rhs [G_local, K, N] share a dtype (bfloat16 or float32), or
+    rhs is int8/float8_e4m3fn with rhs_scale [G_local, N] (float32/bfloat16);
     group_sizes is int32 [G] with G >= G_local; group_offset is an integer
     scalar, and when static, 0 <= group_offset <= G - G_local. With
     transpose_rhs, rhs is [G_local, N, K].
@@ -52,8 +91,8 @@ def check_ragged_dot_args(
             f"rhs: expected a 3-D array {rhs_layout}, got shape {tuple(np.shape(rhs))}"
         )
     check_dtype("lhs.dtype", lhs.dtype)
-    check_dtype("rhs.dtype", rhs.dtype)
-    if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
+    check_weight_scale("rhs", rhs, rhs_scale, rhs.shape[1 if transpose_rhs else 2], "rhs_scale")
+    if not tiling.is_quantized(rhs.dtype) and jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
         raise ValueError(
             f"rhs.dtype: expected the dtype of lhs ({_dtype_name(lhs)}), got {_dtype_name(rhs)}"
         )
@@ -123,6 +162,8 @@ def check_moe_args(
     has_gate,
     is_transposed,
     activation,
+    gate_up_scale=None,
+    down_scale=None,
 ) -> None:
     """The fused MoE layer's arguments (see api.moe_experts); ValueError naming the argument."""
     if np.ndim(hidden) != 2:
@@ -163,6 +204,8 @@ def check_moe_args(
             f"down: expected [E, {inter}, {h}] (is_transposed) or [E, {h}, {inter}],"
             f" got shape {tuple(down.shape)}"
         )
+    check_weight_scale("gate_up", gate_up, gate_up_scale, up_out, "gate_up_scale")
+    check_weight_scale("down", down, down_scale, dn_out, "down_scale")
     if activation == "gpt_oss" and not has_gate:
         raise ValueError("activation: 'gpt_oss' is a gated activation; has_gate=False")
     if activation not in ACTIVATIONS:

@@ -44,6 +44,16 @@ Expert parallelism: ``group_sizes`` covers all groups; this shard holds rhs
 for groups ``[group_offset, group_offset + G_local)``; rows of other groups are
 left zero.
 
+Quantized weights (int8, fp8 e4m3; weight-only): rhs keeps its one-byte
+elements in HBM and in the weight stream, so the DMA moves half the bytes of
+bf16; each slab piece is widened to lhs's dtype on its way to the MXU. Scales
+are per channel, ``rhs_scale`` [G_local, 1, S] f32, and ride the same ring as
+their expert's slab (one small DMA beside each weight DMA, so only active
+experts' scales are read). On the output axis (``scale_axis="n"``, the
+forward) they multiply the f32 product; on the contraction axis
+(``scale_axis="k"``, d_lhs: grad @ (s * W)^T) they multiply the lhs rows
+before the pass, which costs rows x K instead of K x N per pass.
+
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it
 issues so the two can be compared.
@@ -155,7 +165,6 @@ def _gmm_kernel(
     goff_ref,
     lhs_ref,
     rhs_hbm,
-    out_ref,
     *rest,
     m,
     num_groups,
@@ -170,13 +179,21 @@ def _gmm_kernel(
     transpose_rhs,
     compute_dtype,
     precision,
+    scale_axis,
     trace,
 ):
+    if scale_axis:
+        scale_hbm, out_ref, *rest = rest
+    else:
+        scale_hbm = None
+        out_ref, *rest = rest
     if trace:
         trace_ref, *rest = rest
     else:
         trace_ref = None
     wbuf, sem, active_ref, state_ref, *rest = rest
+    if scale_axis:
+        sbuf, ssem, *rest = rest
     if manual_lhs:
         # One row tile: lhs is copied by hand, so its DMA is queued with the
         # weights' instead of being waited for (a whole DMA latency) before
@@ -193,23 +210,34 @@ def _gmm_kernel(
     # `buffers - 1` items are in flight while one is on the MXU, so each DMA's
     # issue latency hides behind the transfers queued before it (with one in
     # flight, every expert paid it in full).
-    def copy(n_q, a, slot):
+    def copies(n_q, a, slot):
+        """The DMAs of stream item (slab n_q, active group a): weights, then scales."""
         j = active_ref[a]
         if n_blocks == 1:
             # The whole expert: a static offset, so N need not be a multiple of the
             # 128-lane tile (GPT-OSS: 2880) for Mosaic to prove the DMA aligned.
-            return pltpu.make_async_copy(rhs_hbm.at[j], wbuf.at[slot], sem.at[slot])
-        col = n_q * block_n
-        if block_n % 128 == 0:
-            col = pl.multiple_of(col, 128)
-        if transpose_rhs:
-            src = rhs_hbm.at[j, pl.ds(col, block_n), :]
+            src = rhs_hbm.at[j]
+            scale_src = None if scale_axis is None else scale_hbm.at[j]
         else:
-            src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
-        return pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])
+            col = n_q * block_n
+            if block_n % 128 == 0:
+                col = pl.multiple_of(col, 128)
+            if transpose_rhs:
+                src = rhs_hbm.at[j, pl.ds(col, block_n), :]
+            else:
+                src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
+            if scale_axis == "n":
+                scale_src = scale_hbm.at[j, :, pl.ds(col, block_n)]
+            elif scale_axis == "k":
+                scale_src = scale_hbm.at[j]
+        dmas = [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
+        if scale_axis:
+            dmas.append(pltpu.make_async_copy(scale_src, sbuf.at[slot], ssem.at[slot]))
+        return dmas
 
     def start(n_q, a, slot):
-        copy(n_q, a, slot).start()
+        for dma in copies(n_q, a, slot):
+            dma.start()
         if trace:
             c = trace_ref[0]
             trace_ref[c + 1] = n_q * num_local + active_ref[a]
@@ -291,7 +319,8 @@ def _gmm_kernel(
 
         @pl.when(q >= state_ref[2])
         def _first_visit():
-            copy(n_i, a, slot).wait()
+            for dma in copies(n_i, a, slot):
+                dma.wait()
             state_ref[2] = q + 1
             # Refill the slot item q - 1 used: it is done (items are consumed
             # in order, and a revisit of q - 1 in a later row tile never
@@ -306,7 +335,10 @@ def _gmm_kernel(
         r_hi = jnp.minimum(hi, tile_hi) - tile_lo
 
         def emit(r0, size):
-            x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)
+            x = lhs_ref[pl.ds(r0, size), :]
+            if scale_axis == "k":
+                x = x.astype(jnp.float32) * sbuf[slot]
+            x = x.astype(compute_dtype)
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
             keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
 
@@ -320,8 +352,14 @@ def _gmm_kernel(
                     w = wbuf[slot, :, pl.ds(c0, width)]
                     dims = (((1,), (0,)), ((), ()))
                 y = lax.dot_general(
-                    x, w, dims, precision=precision, preferred_element_type=jnp.float32
+                    x,
+                    w.astype(compute_dtype),
+                    dims,
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
                 )
+                if scale_axis == "n":
+                    y = y * sbuf[slot, :, pl.ds(c0, width)]
                 dst = (pl.ds(r0, size), pl.ds(c0, width))
                 out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
 
@@ -357,7 +395,14 @@ def _gmm_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("transpose_rhs", "preferred_element_type", "config", "interpret", "_trace"),
+    static_argnames=(
+        "transpose_rhs",
+        "scale_axis",
+        "preferred_element_type",
+        "config",
+        "interpret",
+        "_trace",
+    ),
 )
 def gmm(
     lhs,
@@ -365,6 +410,8 @@ def gmm(
     group_sizes,
     *,
     group_offset=0,
+    rhs_scale=None,
+    scale_axis=None,
     transpose_rhs=False,
     preferred_element_type=None,
     config=None,
@@ -378,9 +425,14 @@ def gmm(
       rhs: [G_local, K, N] (or [G_local, N, K] with transpose_rhs).
       group_sizes: int32 [G], G >= G_local; rows per group, in order.
       group_offset: first group held by this shard (int or int32 scalar).
+      rhs_scale: with int8 / float8_e4m3fn rhs, f32 per-channel scales
+        [G_local, 1, S]: the weights are rhs * scale along `scale_axis`.
+      scale_axis: "n" (S = N, the output columns) or "k" (S = K, the
+        contraction); required with rhs_scale.
       transpose_rhs: contract rhs on its last axis (rhs given as [G, N, K]).
       preferred_element_type: output dtype (default: result type of inputs).
-        Accumulation is always f32; lhs is cast to rhs's dtype for the MXU.
+        Accumulation is always f32; lhs is cast to rhs's dtype for the MXU
+        (quantized rhs is widened to lhs's dtype instead).
       config: a tiling.GmmConfig, a generation name, or None (detect).
       interpret: run the kernel in interpret mode (bool or InterpretParams).
 
@@ -399,13 +451,31 @@ def gmm(
             f"{tuple(lhs.shape)} and rhs {tuple(rhs.shape)}"
         )
     num_groups = group_sizes.shape[0]
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    compute_dtype = rhs.dtype
+    quantized = tiling.is_quantized(rhs.dtype)
+    if quantized != (rhs_scale is not None) or (rhs_scale is None) != (scale_axis is None):
+        raise ValueError(
+            f"gmm: int8/fp8 rhs needs rhs_scale and scale_axis, other rhs neither; got rhs"
+            f" {jnp.dtype(rhs.dtype).name}, rhs_scale {rhs_scale is not None},"
+            f" scale_axis {scale_axis!r}"
+        )
+    if quantized:
+        s_len = {"n": n, "k": k}.get(scale_axis)
+        if s_len is None or tuple(rhs_scale.shape) != (num_local, 1, s_len):
+            raise ValueError(
+                f"gmm: expected rhs_scale [{num_local}, 1, {s_len}] on axis"
+                f" {scale_axis!r}, got {tuple(rhs_scale.shape)}"
+            )
+        rhs_scale = rhs_scale.astype(jnp.float32)
+        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+        compute_dtype = lhs.dtype
+    else:
+        out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+        compute_dtype = rhs.dtype
     if m == 0 or n == 0 or k == 0 or num_local == 0 or num_groups == 0:
         out = jnp.zeros((m, n), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
     cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, rhs.dtype, out_dtype)
-    sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)
+    sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n, sub)
     bm, bn = cfg.block_m, cfg.block_n
     chunk = min(cfg.chunk_m, bm)
@@ -430,6 +500,8 @@ def gmm(
         pl.BlockSpec(memory_space=pl.ANY) if manual_lhs else pl.BlockSpec((bm, k), lhs_map),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
+    if quantized:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
     out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype)]
     if _trace:
@@ -443,6 +515,12 @@ def gmm(
         pltpu.SMEM((num_local,), jnp.int32),
         pltpu.SMEM((3,), jnp.int32),
     ]
+    if quantized:
+        s_width = bn if scale_axis == "n" else k
+        scratch += [
+            pltpu.VMEM((buffers, 1, s_width), jnp.float32),
+            pltpu.SemaphoreType.DMA((buffers,)),
+        ]
     if manual_lhs:
         scratch += [pltpu.VMEM((bm, k), lhs.dtype), pltpu.SemaphoreType.DMA((1,))]
     precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
@@ -461,6 +539,7 @@ def gmm(
         transpose_rhs=transpose_rhs,
         compute_dtype=compute_dtype,
         precision=precision,
+        scale_axis=scale_axis,
         trace=_trace,
     )
     isz = lambda d: jnp.dtype(d).itemsize
@@ -468,7 +547,10 @@ def gmm(
         flops=2 * m * k * n,
         transcendentals=0,
         bytes_accessed=int(
-            m * k * isz(lhs.dtype) + m * n * isz(out_dtype) + num_local * k * n * isz(rhs.dtype)
+            m * k * isz(lhs.dtype)
+            + m * n * isz(out_dtype)
+            + num_local * k * n * isz(rhs.dtype)
+            + (num_local * rhs_scale.shape[-1] * 4 if quantized else 0)
         ),
     )
     call = pl.pallas_call(
@@ -494,7 +576,7 @@ def gmm(
         cost_estimate=cost,
         name="ragged_dot_gmm",
     )
-    res = call(ends, goff, lhs, rhs)
+    res = call(ends, goff, lhs, rhs, *((rhs_scale,) if quantized else ()))
     return (res[0], res[1]) if _trace else res[0]
 
 

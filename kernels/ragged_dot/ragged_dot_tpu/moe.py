@@ -84,7 +84,9 @@ def experts_program(
 ):
     t, h = hidden.shape
     k = top_k_index.shape[1]
-    dtype = gate_up.dtype
+    # Projections come out in the weights' dtype, as in transformers; quantized
+    # (one-byte) weights compute in the activations' dtype instead.
+    dtype = gate_up.dtype if jnp.dtype(gate_up.dtype).itemsize > 1 else hidden.dtype
     ids = top_k_index.reshape(-1).astype(jnp.int32) - jnp.asarray(group_offset, jnp.int32)
     valid = jnp.logical_and(ids >= 0, ids < num_experts)
     key = jnp.where(valid, ids, num_experts)

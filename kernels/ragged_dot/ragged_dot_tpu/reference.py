@@ -39,13 +39,28 @@ def shard_rows(group_sizes, group_offset, num_local):
     return starts[g0], ends[g0 + num_local - 1]
 
 
-def ragged_dot_reference(lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None):
+def dequantize(rhs, rhs_scale):
+    """rhs [G, K, N] in f32, times its [G, N] per-output-channel scales if any."""
+    w = rhs.astype(jnp.float32)
+    if rhs_scale is None:
+        return w
+    return w * rhs_scale.astype(jnp.float32)[:, None, :]
+
+
+def ragged_dot_reference(
+    lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None, rhs_scale=None
+):
     """ragged_dot with rows past the sum, and other shards' rows, exactly zero.
 
     rhs holds groups [group_offset, group_offset + rhs.shape[0]) of the
-    len(group_sizes) groups; computed in f32 at HIGHEST precision.
+    len(group_sizes) groups; computed in f32 at HIGHEST precision. Quantized
+    rhs (int8, float8_e4m3fn) is dequantized with rhs_scale [G, N] in f32 first.
     """
-    out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    if rhs_scale is not None:
+        out_dtype = preferred_element_type or lhs.dtype
+    else:
+        out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    rhs = dequantize(rhs, rhs_scale)
     g_total, g_local = group_sizes.shape[0], rhs.shape[0]
     m = lhs.shape[0]
     full = jnp.zeros((g_total,) + rhs.shape[1:], jnp.float32)
@@ -99,6 +114,8 @@ def moe_experts_reference(
     group_offset,
     alpha,
     limit,
+    gate_up_scale=None,
+    down_scale=None,
 ):
     """moe_experts on jax.lax.ragged_dot (f32, HIGHEST), positional arguments.
 
@@ -117,13 +134,17 @@ def moe_experts_reference(
         has_gate,
         is_transposed,
         activation,
+        gate_up_scale,
+        down_scale,
     )
+    scales = {"up": gate_up_scale, "down": down_scale}
 
     def matmul(x, w, group_sizes, which):
-        del which
         if not is_transposed:
             w = jnp.swapaxes(w, 1, 2)
-        return ragged_dot_reference(x, w, group_sizes, preferred_element_type=x.dtype)
+        return ragged_dot_reference(
+            x, w, group_sizes, preferred_element_type=x.dtype, rhs_scale=scales[which]
+        )
 
     return moe.experts_program(
         hidden,

@@ -67,6 +67,13 @@ STEP_OVERHEAD_S = tpu_info.GRID_STEP_OVERHEAD_S
 TGMM_CHUNK_M = 512
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Weight-only quantized expert weights: the kernel DMAs these bytes and widens
+# each slab piece to the activations' dtype in VMEM, with per-channel scales.
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def is_quantized(dtype) -> bool:
+    return jnp.dtype(dtype) in QUANTIZED_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +183,16 @@ def get_generation(generation: str | None) -> Generation:
 
 
 def sublane(*dtypes) -> int:
-    """Rows per packed sublane tile: 8 for 32-bit, 16 if any operand is 16-bit."""
-    return max(8 * (4 // jnp.dtype(d).itemsize) for d in dtypes)
+    """Rows per packed sublane tile: 8 for 32-bit, 16 if any operand is 16-bit.
+
+    Quantized weights do not count: the rows a pass covers are those of lhs and
+    out, and the weight's own tile (32 rows of int8) only pads its VMEM slot."""
+    return max(8 * (4 // jnp.dtype(d).itemsize) for d in dtypes if not is_quantized(d))
+
+
+def weight_rows(k: int, w_dtype) -> int:
+    """Rows a weight slab of contraction depth k takes in VMEM (packed tiles)."""
+    return round_up(k, max(16, 8 * (4 // jnp.dtype(w_dtype).itemsize)))
 
 
 def round_up(x: int, m: int) -> int:
@@ -267,7 +282,7 @@ MAX_WEIGHT_BUFFERS = 6
 def weight_buffers(k: int, bn: int, w_dtype, gen: Generation) -> int:
     """Slots for the weight stream: one on the MXU plus enough in flight to
     cover IN_FLIGHT_S at HBM speed (at least two)."""
-    slab = round_up(k, 16) * _lane(bn) * jnp.dtype(w_dtype).itemsize
+    slab = weight_rows(k, w_dtype) * _lane(bn) * jnp.dtype(w_dtype).itemsize
     in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
     return min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // slab)))
 
@@ -283,7 +298,10 @@ def pass_rows(chunk: int, sub: int) -> int:
 
 
 def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3) -> int:
-    """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles)."""
+    """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
+
+    Quantized weights add each piece widened to in_dtype and the scale slots
+    (a [1, S] f32 row pads to 8 sublanes; S is at most max(k, bn))."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     tiles = -(-m // bm)
     n_blocks = -(-n // bn)
@@ -292,7 +310,9 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     kp, np_ = _lane(k), _lane(bn)
     need = lhs_bufs * bm * kp * ib
     need += out_bufs * bm * np_ * ob
-    need += buffers * round_up(k, 16) * np_ * wb  # the weight stream's slots
+    need += buffers * weight_rows(k, w_dtype) * np_ * wb  # the weight stream's slots
+    if is_quantized(w_dtype):
+        need += buffers * 8 * _lane(max(k, bn)) * 4
     # Row passes: the lhs rows (cast), the f32 product, the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
@@ -300,6 +320,8 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     p, _, tail = gmm_pieces(bn)
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += 2 * rows * pp * 4 + rows * pp * ob
+        if is_quantized(w_dtype):
+            need += round_up(k, 16) * pp * ib
     return need
 
 
@@ -330,7 +352,7 @@ def gmm_config(
     dtype = jnp.dtype(dtype)
     w_dtype = jnp.dtype(w_dtype or dtype)
     out_dtype = jnp.dtype(out_dtype or dtype)
-    sub = sublane(dtype, w_dtype, out_dtype)
+    sub = sublane(dtype, w_dtype, out_dtype)  # quantized weights do not count
     best = None
     smallest_need = None
     for bm in _m_candidates(m, sub, gen):
