@@ -1,0 +1,229 @@
+"""Weight-only quantized experts (int8, float8_e4m3fn with per-output-channel
+scales) in ragged_dot and moe_experts, interpret mode, against the f32
+reference on the dequantized weights.
+
+Tolerances (tests/tolerances.py): the forward widens each weight to bf16
+(int8 and e4m3 values are exact in bf16), so bf16 x bf16 products are exact in
+f32 and the scale multiplies the f32 sum: one output rounding, as for bf16
+weights. d_lhs multiplies the cotangent rows by the scales (the contraction
+axis) and rounds them to bf16 before the MXU: one bf16 rounding of terms of
+magnitude sum |grad| |s w|.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+from ragged_dot_tpu import tiling
+from ragged_dot_tpu.api import moe_experts, ragged_dot
+from ragged_dot_tpu.kernel_gmm import gmm
+from ragged_dot_tpu.reference import moe_experts_reference, ragged_dot_reference
+from tolerances import assert_close
+
+QDTYPES = [jnp.int8, jnp.float8_e4m3fn]
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize(w, dtype, out_axis):
+    """Symmetric per-output-channel quantization of f32 weights [G, a, b]:
+    (quantized weights, [G, out] f32 scales) with w ~= q * scale on out_axis."""
+    w = jnp.asarray(w, jnp.float32)
+    in_axis = 3 - out_axis
+    amax = jnp.max(jnp.abs(w), axis=in_axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / QMAX[jnp.dtype(dtype)], 1.0)
+    q = w / scale
+    if jnp.dtype(dtype) == jnp.int8:
+        q = jnp.clip(jnp.round(q), -127, 127)
+    return q.astype(dtype), jnp.squeeze(scale, in_axis)
+
+
+def _sizes(draw, m, g):
+    total = draw(st.sampled_from([m, max(m - 5, 0), m // 2]))
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
+    edges = [0, *cuts, total]
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]
+
+
+@st.composite
+def problems(draw):
+    wdt = draw(st.sampled_from(QDTYPES))
+    m = draw(st.sampled_from([1, 12, 40, 64]))
+    k = draw(st.sampled_from([64, 128, 200]))
+    n = draw(st.sampled_from([96, 128, 256]))
+    g_total = draw(st.integers(1, 5))
+    sizes = _sizes(draw, m, g_total)
+    g_local = draw(st.integers(1, g_total))
+    offset = draw(st.integers(0, g_total - g_local))
+    transpose = draw(st.booleans())
+    scale_dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
+    # Small explicit blocks walk several row tiles and N slabs, and wrap the ring.
+    small = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, seed
+
+
+def _config(small, k, n):
+    if not small:
+        return "v6e"
+    slab = lambda d: 128 if d % 128 == 0 and d > 128 else d  # noqa: E731
+    return tiling.RaggedDotConfig(
+        tiling.GmmConfig(16, slab(n), 16, weight_buffers=2),
+        tiling.GmmConfig(16, slab(k), 16, weight_buffers=3),
+        tiling.TgmmConfig(16, k, n, 16),
+    )
+
+
+# Drawn, but not reliably within 4 examples: several row tiles and N slabs
+# with a 2-slot ring, an expert-parallel shard, torch Linear layout.
+@example((jnp.int8, 64, 128, 256, [20, 0, 25, 9], 3, 1, True, jnp.float32, True, 3))
+@example((jnp.float8_e4m3fn, 40, 200, 96, [15, 20], 2, 0, False, jnp.bfloat16, False, 4))
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(problems())
+def test_quantized_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
+    wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, seed = problem
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = rng.standard_normal((g_local, n, k) if transpose else (g_local, k, n)) * 0.1
+    q, scale = quantize(w, wdt, out_axis=1 if transpose else 2)
+    scale = scale.astype(scale_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    ct = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    f = functools.partial(
+        ragged_dot,
+        rhs=q,
+        group_sizes=gs,
+        group_offset=offset,
+        rhs_scale=scale,
+        transpose_rhs=transpose,
+        config=_config(small, k, n),
+        interpret=True,
+    )
+    out, vjp = jax.vjp(f, lhs)
+    (d_lhs,) = vjp(ct)
+    assert out.dtype == jnp.bfloat16 and d_lhs.dtype == jnp.bfloat16
+
+    w_kn = jnp.swapaxes(q, 1, 2) if transpose else q
+
+    def ref(a, c, absolute=False):
+        rhs = jnp.abs(w_kn.astype(jnp.float32)) if absolute else w_kn
+        s = jnp.abs(scale.astype(jnp.float32)) if absolute else scale
+        fn = lambda x: ragged_dot_reference(x, rhs, gs, offset, jnp.float32, rhs_scale=s)  # noqa: E731
+        o, v = jax.vjp(fn, a)
+        return o, v(c)[0]
+
+    want_out, want_d = ref(lhs.astype(jnp.float32), ct.astype(jnp.float32))
+    mag_out, mag_d = ref(jnp.abs(lhs.astype(jnp.float32)), jnp.abs(ct.astype(jnp.float32)), True)
+    assert_close(out, want_out, magnitude=mag_out, what="out")
+    assert_close(d_lhs, want_d, magnitude=mag_d, dtype=jnp.bfloat16, roundings=1, what="d_lhs")
+
+
+@pytest.mark.parametrize("wdt", QDTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("is_transposed", [False, True], ids=["linear_layout", "in_out_layout"])
+def test_quantized_moe_experts_matches_reference_with_gradients(wdt, is_transposed):
+    rng = np.random.default_rng(7)
+    t, h, i, e, k = 12, 128, 256, 6, 2
+    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    gu_shape, dn_shape = ((e, h, 2 * i), (e, i, h)) if is_transposed else ((e, 2 * i, h), (e, h, i))
+    out_axis = 2 if is_transposed else 1
+    gu, gu_s = quantize(rng.standard_normal(gu_shape) * 0.05, wdt, out_axis)
+    dn, dn_s = quantize(rng.standard_normal(dn_shape) * 0.05, wdt, out_axis)
+    kw = dict(num_experts=e, is_transposed=is_transposed)
+
+    def ours(x, w):
+        return moe_experts(x, ids, w, gu, dn, None, None, gu_s, dn_s, interpret=True, **kw)
+
+    def ref(x, w):
+        return moe_experts_reference(
+            x, ids, w, gu, dn, None, None, e, True, is_transposed, True, "silu", 0, 1.702, 7.0,
+            gu_s, dn_s,
+        )  # fmt: skip
+
+    ct = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    out, vjp = jax.vjp(ours, hidden, weights)
+    want, vjp_ref = jax.vjp(ref, hidden, weights)
+    # The reference rounds at the same points (projections to bf16, activation
+    # once), so the kernel differs by summation order and the d_lhs rounding:
+    # a bf16 ulp of the layer's output scale per rounding point.
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2**-6 * scale, rtol=2**-6
+    )
+    for name, got, w in zip(("d_hidden", "d_weights"), vjp(ct), vjp_ref(ct)):
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), w, atol=2**-5 * np.abs(w).max(), rtol=2**-5, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("n", [128, 640, 300])
+def test_scales_are_applied_per_output_channel_not_ignored(n, transpose):
+    # A weight quantized to all ones: the output columns are the row sums of lhs
+    # times each channel's scale, so a dropped, shifted or transposed scale
+    # cannot match. N = 640 is five 128-column pieces, 300 a 256 piece and a tail.
+    lhs = jnp.asarray(np.arange(16 * 64).reshape(16, 64) % 7, jnp.bfloat16)
+    q = jnp.ones((2, n, 64) if transpose else (2, 64, n), jnp.int8)
+    scale = jnp.asarray(np.stack([np.arange(n), -np.arange(n)]) / 64.0, jnp.float32)
+    sizes = jnp.asarray([10, 6], jnp.int32)
+    out = ragged_dot(lhs, q, sizes, rhs_scale=scale, transpose_rhs=transpose, interpret=True)
+    rows = np.asarray(lhs, np.float32).sum(1, keepdims=True)
+    want = np.where(np.arange(16)[:, None] < 10, rows * scale[0], rows * scale[1])
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, jnp.bfloat16))
+
+
+BAD = [
+    (dict(rhs_scale=None), "rhs_scale: expected \\[2, 128\\] per-output-channel scales"),
+    (dict(rhs_scale=jnp.ones((2, 64))), "rhs_scale: expected shape \\(2, 128\\)"),
+    (dict(rhs_scale=jnp.ones((2, 128), jnp.int32)), "rhs_scale: expected float32 or bfloat16"),
+    (dict(rhs=jnp.ones((2, 64, 128), jnp.bfloat16)), "rhs_scale: expected None for bfloat16"),
+    (dict(rhs=jnp.ones((2, 64, 128), jnp.float16)), "rhs.dtype: expected bfloat16 or float32"),
+]
+
+
+@pytest.mark.parametrize(
+    "kw, match", BAD, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD)]
+)
+def test_bad_quantized_arguments_raise_value_error(kw, match):
+    args = dict(
+        lhs=jnp.ones((8, 64), jnp.bfloat16),
+        rhs=jnp.ones((2, 64, 128), jnp.int8),
+        group_sizes=jnp.asarray([4, 4], jnp.int32),
+        rhs_scale=jnp.ones((2, 128), jnp.float32),
+    )
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        ragged_dot(**args, interpret=True)
+
+
+def test_bad_moe_scale_names_the_argument():
+    e, h, i = 4, 64, 128
+    with pytest.raises(ValueError, match="down_scale: expected shape \\(4, 64\\)"):
+        moe_experts(
+            jnp.ones((3, h), jnp.bfloat16),
+            jnp.zeros((3, 2), jnp.int32),
+            jnp.ones((3, 2), jnp.float32),
+            jnp.ones((e, 2 * i, h), jnp.int8),
+            jnp.ones((e, h, i), jnp.int8),
+            None,
+            None,
+            jnp.ones((e, 2 * i)),
+            jnp.ones((e, i)),
+            num_experts=e,
+        )
+
+
+def test_gmm_rejects_scales_on_an_unknown_axis():
+    with pytest.raises(ValueError, match="int8/fp8 rhs needs rhs_scale and scale_axis"):
+        gmm(
+            jnp.ones((8, 64), jnp.bfloat16),
+            jnp.ones((2, 64, 128), jnp.int8),
+            jnp.ones(2, jnp.int32),
+        )
