@@ -154,6 +154,10 @@ def gate_program(point) -> GateProgram:
     """The program a point compiles (called in the gate's worker processes)."""
     if point[0] == "moe_layer":
         return _moe_layer_program(point[1])
+    if point[0] == "quantized":
+        return _quantized_program(point[1:])
+    if point[0] == "quantized_moe_layer":
+        return _moe_layer_program(point[2], weight_dtype=point[1])
     if point[0] == "vmem_limit_at_estimate":
         return _vmem_estimate_program(point[1:])
     model, projection, tokens, kernel, generation = point
@@ -172,8 +176,48 @@ def gate_program(point) -> GateProgram:
     return GateProgram(fn, args, generation, covered_by=COVERS.get(point), extents=(m,))
 
 
-def _moe_layer_program(generation) -> GateProgram:
-    """Qwen3-30B-A3B experts layer, 64 tokens, torch weight layout, one program."""
+# Weight-only quantized gmm (int8 / float8_e4m3fn slabs widened in VMEM, scale
+# rows in the same ring): Qwen3 at decode and prefill, GPT-OSS's unaligned
+# N = 2880, forward (scales on N) and d_lhs (scales on the contraction), in
+# transformers' [E, out, in] layout. (kind, model, projection, tokens, kernel,
+# weight dtype, generation)
+# The generations each weight dtype is meant for: int8 where the MXU has it
+# (v5e, v6e), e4m3 on tpu7x and on v6e (FP8 checkpoints served there).
+QUANTIZED_TARGETS = [
+    ("int8", "v5e"),
+    ("int8", "v6e"),
+    ("float8_e4m3fn", "v6e"),
+    ("float8_e4m3fn", "tpu7x"),
+]
+QUANTIZED_POINTS = [
+    ("quantized", "qwen3_30b_a3b", proj, tokens, kernel, wdt, gen)
+    for proj, tokens, kernel, (wdt, gen) in itertools.product(
+        PROJECTIONS, [64, 8192], ["fwd", "d_lhs"], QUANTIZED_TARGETS
+    )
+] + [("quantized", "gpt_oss_20b", "down", 64, kernel, "int8", "v6e") for kernel in ("fwd", "d_lhs")]
+
+
+def _quantized_program(point) -> GateProgram:
+    model, projection, tokens, kernel, wdt, generation = point
+    e, top_k, k, n = _dims(model, projection)
+    m = tokens * top_k
+    # Weights [E, N, K] (Linear layout): the forward reads them transposed.
+    transpose, axis, width = (True, "n", n) if kernel == "fwd" else (False, "k", n)
+    rows_k = k if kernel == "fwd" else n
+    fn = functools.partial(gmm, transpose_rhs=transpose, scale_axis=axis, config=generation)
+    args = [
+        spec((m, rows_k)),
+        spec((e, n, k), jnp.dtype(wdt)),
+        spec((e,), jnp.int32),
+        spec((e, 1, width), jnp.float32),
+    ]
+    return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
+
+
+def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
+    """Qwen3-30B-A3B experts layer, 64 tokens, torch weight layout, one program;
+    with weight_dtype, weight-only quantized weights and their scales (the
+    gradient is taken w.r.t. hidden states and routing weights only)."""
     e, top_k, h, i = MODELS["qwen3_30b_a3b"]
     t = 64
     kw = dict(
@@ -199,6 +243,16 @@ def _moe_layer_program(generation) -> GateProgram:
         spec((e, 2 * i, h)),
         spec((e, h, i)),
     ]
+    if weight_dtype is not None:
+
+        def fn(hid, idx, w, gu, dn, gu_s, dn_s):
+            layer = lambda hid, w: moe_experts(hid, idx, w, gu, dn, None, None, gu_s, dn_s, **kw)  # noqa: E731
+            loss = lambda hid, w: jnp.sum(layer(hid, w).astype(jnp.float32))  # noqa: E731
+            return layer(hid, w), jax.grad(loss, argnums=(0, 1))(hid, w)
+
+        wdt = jnp.dtype(weight_dtype)
+        args[3:] = [spec((e, 2 * i, h), wdt), spec((e, h, i), wdt)]
+        args += [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)]
     return GateProgram(fn, args, generation)
 
 
@@ -275,6 +329,20 @@ def test_every_kernel_compiles_on_every_generation():
 
 @pytest.mark.parametrize("point", [("moe_layer", g) for g in GENERATIONS], ids=_id)
 def test_whole_moe_layer_fwd_and_grad_compile(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", QUANTIZED_POINTS, ids=_id)
+def test_quantized_gmm_compiles(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize(
+    "point",
+    [("quantized_moe_layer", "int8", "v6e"), ("quantized_moe_layer", "float8_e4m3fn", "tpu7x")],
+    ids=_id,
+)
+def test_quantized_moe_layer_fwd_and_grad_compile(point, pool):
     pool.assert_ok(__file__, point)
 
 
