@@ -195,6 +195,13 @@ QUANTIZED_POINTS = [
         PROJECTIONS, [64, 8192], ["fwd", "d_lhs"], QUANTIZED_TARGETS
     )
 ] + [("quantized", "gpt_oss_20b", "down", 64, kernel, "int8", "v6e") for kernel in ("fwd", "d_lhs")]
+# 128 x 128 block scales (FP8 checkpoints), folded into the lhs rows per column block.
+QUANTIZED_POINTS += [
+    ("quantized", "qwen3_30b_a3b", proj, tokens, kernel, "float8_e4m3fn_blocks", gen)
+    for proj, tokens, kernel, gen in itertools.product(
+        PROJECTIONS, [64, 8192], ["fwd", "d_lhs"], ["v6e", "tpu7x"]
+    )
+]
 
 
 def _quantized_program(point) -> GateProgram:
@@ -202,15 +209,14 @@ def _quantized_program(point) -> GateProgram:
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
     # Weights [E, N, K] (Linear layout): the forward reads them transposed.
-    transpose, axis, width = (True, "n", n) if kernel == "fwd" else (False, "k", n)
+    transpose, axis = (True, "n") if kernel == "fwd" else (False, "k")
+    scale = spec((e, 1, n), jnp.float32)
+    if wdt.endswith("_blocks"):
+        wdt, axis = wdt.removesuffix("_blocks"), "block"
+        scale = spec((e, n * k // 128**2), jnp.float32)
     rows_k = k if kernel == "fwd" else n
     fn = functools.partial(gmm, transpose_rhs=transpose, scale_axis=axis, config=generation)
-    args = [
-        spec((m, rows_k)),
-        spec((e, n, k), jnp.dtype(wdt)),
-        spec((e,), jnp.int32),
-        spec((e, 1, width), jnp.float32),
-    ]
+    args = [spec((m, rows_k)), spec((e, n, k), jnp.dtype(wdt)), spec((e,), jnp.int32), scale]
     return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
 
 

@@ -1,13 +1,14 @@
 """Weight-only quantized experts (int8, float8_e4m3fn with per-output-channel
-scales) in ragged_dot and moe_experts, interpret mode, against the f32
-reference on the dequantized weights.
+or 128 x 128 block scales) in ragged_dot and moe_experts, interpret mode,
+against the f32 reference on the dequantized weights.
 
 Tolerances (tests/tolerances.py): the forward widens each weight to bf16
 (int8 and e4m3 values are exact in bf16), so bf16 x bf16 products are exact in
 f32 and the scale multiplies the f32 sum: one output rounding, as for bf16
 weights. d_lhs multiplies the cotangent rows by the scales (the contraction
 axis) and rounds them to bf16 before the MXU: one bf16 rounding of terms of
-magnitude sum |grad| |s w|.
+magnitude sum |grad| |s w|. Block scales fold into the lhs rows per
+128-column block of the output, in both passes: one bf16 rounding.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def quantize(w, dtype, out_axis):
     return q.astype(dtype), jnp.squeeze(scale, in_axis)
 
 
+def quantize_blocks(w, dtype):
+    """Symmetric quantization per 128 x 128 block of [G, A, B] (A, B multiples
+    of 128): (quantized, [G, A/128, B/128] f32 scales), FP8 checkpoints' format."""
+    w = jnp.asarray(w, jnp.float32)
+    g, a, b = w.shape
+    blocks = w.reshape(g, a // 128, 128, b // 128, 128)
+    amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
+    scale = jnp.where(amax > 0, amax / QMAX[jnp.dtype(dtype)], 1.0)
+    q = blocks / scale
+    if jnp.dtype(dtype) == jnp.int8:
+        q = jnp.clip(jnp.round(q), -127, 127)
+    return q.reshape(g, a, b).astype(dtype), scale.reshape(g, a // 128, b // 128)
+
+
 def _sizes(draw, m, g):
     total = draw(st.sampled_from([m, max(m - 5, 0), m // 2]))
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
@@ -54,8 +69,9 @@ def _sizes(draw, m, g):
 def problems(draw):
     wdt = draw(st.sampled_from(QDTYPES))
     m = draw(st.sampled_from([1, 12, 40, 64]))
-    k = draw(st.sampled_from([64, 128, 200]))
+    k = draw(st.sampled_from([64, 128, 200, 256]))
     n = draw(st.sampled_from([96, 128, 256]))
+    blocks = k % 128 == 0 and n % 128 == 0 and draw(st.booleans())
     g_total = draw(st.integers(1, 5))
     sizes = _sizes(draw, m, g_total)
     g_local = draw(st.integers(1, g_total))
@@ -65,7 +81,7 @@ def problems(draw):
     # Small explicit blocks walk several row tiles and N slabs, and wrap the ring.
     small = draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
-    return wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, seed
+    return wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, blocks, seed
 
 
 def _config(small, k, n):
@@ -81,16 +97,20 @@ def _config(small, k, n):
 
 # Drawn, but not reliably within 4 examples: several row tiles and N slabs
 # with a 2-slot ring, an expert-parallel shard, torch Linear layout.
-@example((jnp.int8, 64, 128, 256, [20, 0, 25, 9], 3, 1, True, jnp.float32, True, 3))
-@example((jnp.float8_e4m3fn, 40, 200, 96, [15, 20], 2, 0, False, jnp.bfloat16, False, 4))
+@example((jnp.int8, 64, 128, 256, [20, 0, 25, 9], 3, 1, True, jnp.float32, True, False, 3))
+@example((jnp.float8_e4m3fn, 40, 200, 96, [15, 20], 2, 0, False, jnp.bfloat16, False, False, 4))
+@example((jnp.float8_e4m3fn, 64, 256, 256, [30, 0, 20], 3, 0, True, jnp.float32, True, True, 5))
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(problems())
 def test_quantized_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
-    wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, seed = problem
+    wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, blocks, seed = problem
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = rng.standard_normal((g_local, n, k) if transpose else (g_local, k, n)) * 0.1
-    q, scale = quantize(w, wdt, out_axis=1 if transpose else 2)
+    if blocks:
+        q, scale = quantize_blocks(w, wdt)
+    else:
+        q, scale = quantize(w, wdt, out_axis=1 if transpose else 2)
     scale = scale.astype(scale_dtype)
     gs = jnp.asarray(sizes, jnp.int32)
     ct = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
@@ -109,23 +129,31 @@ def test_quantized_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
     assert out.dtype == jnp.bfloat16 and d_lhs.dtype == jnp.bfloat16
 
     w_kn = jnp.swapaxes(q, 1, 2) if transpose else q
+    s_kn = jnp.swapaxes(scale, 1, 2) if transpose and blocks else scale
 
     def ref(a, c, absolute=False):
         rhs = jnp.abs(w_kn.astype(jnp.float32)) if absolute else w_kn
-        s = jnp.abs(scale.astype(jnp.float32)) if absolute else scale
+        s = jnp.abs(s_kn.astype(jnp.float32)) if absolute else s_kn
         fn = lambda x: ragged_dot_reference(x, rhs, gs, offset, jnp.float32, rhs_scale=s)  # noqa: E731
         o, v = jax.vjp(fn, a)
         return o, v(c)[0]
 
     want_out, want_d = ref(lhs.astype(jnp.float32), ct.astype(jnp.float32))
     mag_out, mag_d = ref(jnp.abs(lhs.astype(jnp.float32)), jnp.abs(ct.astype(jnp.float32)), True)
-    assert_close(out, want_out, magnitude=mag_out, what="out")
+    # Block scales are folded into the lhs rows and rounded to bf16 once.
+    assert_close(
+        out, want_out, magnitude=mag_out, dtype=jnp.bfloat16, roundings=int(blocks), what="out"
+    )
     assert_close(d_lhs, want_d, magnitude=mag_d, dtype=jnp.bfloat16, roundings=1, what="d_lhs")
 
 
-@pytest.mark.parametrize("wdt", QDTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(
+    "wdt, blocks",
+    [(jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.float8_e4m3fn, True)],
+    ids=["int8_channel", "e4m3_channel", "e4m3_blocks"],
+)
 @pytest.mark.parametrize("is_transposed", [False, True], ids=["linear_layout", "in_out_layout"])
-def test_quantized_moe_experts_matches_reference_with_gradients(wdt, is_transposed):
+def test_quantized_moe_experts_matches_reference_with_gradients(wdt, blocks, is_transposed):
     rng = np.random.default_rng(7)
     t, h, i, e, k = 12, 128, 256, 6, 2
     hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
@@ -133,8 +161,12 @@ def test_quantized_moe_experts_matches_reference_with_gradients(wdt, is_transpos
     weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
     gu_shape, dn_shape = ((e, h, 2 * i), (e, i, h)) if is_transposed else ((e, 2 * i, h), (e, h, i))
     out_axis = 2 if is_transposed else 1
-    gu, gu_s = quantize(rng.standard_normal(gu_shape) * 0.05, wdt, out_axis)
-    dn, dn_s = quantize(rng.standard_normal(dn_shape) * 0.05, wdt, out_axis)
+    if blocks:
+        gu, gu_s = quantize_blocks(rng.standard_normal(gu_shape) * 0.05, wdt)
+        dn, dn_s = quantize_blocks(rng.standard_normal(dn_shape) * 0.05, wdt)
+    else:
+        gu, gu_s = quantize(rng.standard_normal(gu_shape) * 0.05, wdt, out_axis)
+        dn, dn_s = quantize(rng.standard_normal(dn_shape) * 0.05, wdt, out_axis)
     kw = dict(num_experts=e, is_transposed=is_transposed)
 
     def ours(x, w):
@@ -179,9 +211,30 @@ def test_scales_are_applied_per_output_channel_not_ignored(n, transpose):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, jnp.bfloat16))
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_block_scales_are_applied_per_block(transpose):
+    # All-ones weights of two 128-deep contraction blocks and five 128-column
+    # blocks: out[r, n] = sum over k blocks of (row r's sum over that block)
+    # times the scale of (k block, n // 128); distinct powers of two per block
+    # make any misplaced block visible, and the f32 sums are exact.
+    k, n = 256, 640
+    lhs = jnp.asarray(np.arange(16 * k).reshape(16, k) % 3, jnp.bfloat16)
+    s_kn = 2.0 ** -np.arange(2 * 2 * 5, dtype=np.float32).reshape(2, 2, 5)  # [G, K/128, N/128]
+    q = jnp.ones((2, n, k) if transpose else (2, k, n), jnp.float8_e4m3fn)
+    scale = jnp.asarray(np.swapaxes(s_kn, 1, 2) if transpose else s_kn)
+    sizes = jnp.asarray([9, 7], jnp.int32)
+    out = ragged_dot(lhs, q, sizes, rhs_scale=scale, transpose_rhs=transpose, interpret=True)
+    x = np.asarray(lhs, np.float32).reshape(16, 2, 128).sum(-1)  # [rows, K/128]
+    grp = (np.arange(16) >= 9).astype(int)
+    want = np.einsum("rk,rkn->rn", x, s_kn[grp]).repeat(128, axis=1)
+    # The f32 sums are exact; both round them once to bf16.
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, jnp.bfloat16))
+
+
 BAD = [
     (dict(rhs_scale=None), "rhs_scale: expected \\[2, 128\\] per-output-channel scales"),
     (dict(rhs_scale=jnp.ones((2, 64))), "rhs_scale: expected shape \\(2, 128\\)"),
+    (dict(rhs_scale=jnp.ones((2, 1, 2))), "rhs_scale: expected 128 x 128 block scales"),
     (dict(rhs_scale=jnp.ones((2, 128), jnp.int32)), "rhs_scale: expected float32 or bfloat16"),
     (dict(rhs=jnp.ones((2, 64, 128), jnp.bfloat16)), "rhs_scale: expected None for bfloat16"),
     (dict(rhs=jnp.ones((2, 64, 128), jnp.float16)), "rhs.dtype: expected bfloat16 or float32"),

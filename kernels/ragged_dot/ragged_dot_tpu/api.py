@@ -46,11 +46,21 @@ def _hbm_view(rhs, transpose_rhs):
     return rhs, transpose_rhs, False
 
 
-def _kernel_scale(rhs_scale):
-    """[G, N] per-output-channel scales as the kernel takes them: [G, 1, N] f32."""
+def _kernel_scale(rhs_scale, swapped, channel_axis):
+    """(scales as the kernel takes them, their scale_axis).
+
+    [G, N] per output channel -> [G, 1, N] f32 on `channel_axis` ("n" in the
+    forward, "k" in d_lhs, where N is contracted). [G, A/128, B/128] blocks of
+    rhs [G, A, B] -> [G, A/128 * B/128] f32 in the order of rhs as the kernel
+    reads it (swapped with it), "block" in both passes."""
     if rhs_scale is None:
-        return None
-    return rhs_scale.astype(jnp.float32)[:, None, :]
+        return None, None
+    s = rhs_scale.astype(jnp.float32)
+    if s.ndim == 2:
+        return s[:, None, :], channel_axis
+    if swapped:
+        s = jnp.swapaxes(s, 1, 2)
+    return s.reshape(s.shape[0], -1), "block"
 
 
 def ragged_dot_fwd(
@@ -67,15 +77,15 @@ def ragged_dot_fwd(
 ):
     """Forward rule: (out, residuals). No residuals: the backward needs only the inputs."""
     fwd, _, _ = _configs(config)
-    rhs, transpose_rhs, _ = _hbm_view(rhs, transpose_rhs)
-    scale = _kernel_scale(rhs_scale)
+    rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
+    scale, scale_axis = _kernel_scale(rhs_scale, swapped, "n")
     out = gmm(
         lhs,
         rhs,
         group_sizes,
         group_offset=group_offset,
         rhs_scale=scale,
-        scale_axis=None if scale is None else "n",
+        scale_axis=scale_axis,
         transpose_rhs=transpose_rhs,
         preferred_element_type=preferred_element_type,
         config=fwd,
@@ -96,14 +106,15 @@ def ragged_dot_bwd(
     # inputs) is rounded once, here, whichever operand of tgmm it becomes.
     grad = grad.astype(lhs.dtype)
     if rhs_scale is not None:
-        # d_lhs = grad @ (s * W)^T: the scales sit on the contraction axis.
+        # d_lhs = grad @ (s * W)^T: per-channel scales sit on the contraction axis.
+        scale, scale_axis = _kernel_scale(rhs_scale, swapped, "k")
         d_lhs = gmm(
             grad,
             rhs,
             group_sizes,
             group_offset=group_offset,
-            rhs_scale=_kernel_scale(rhs_scale),
-            scale_axis="k",
+            rhs_scale=scale,
+            scale_axis=scale_axis,
             transpose_rhs=not transpose_rhs,
             preferred_element_type=lhs.dtype,
             config=cfg_lhs,
@@ -173,7 +184,10 @@ def ragged_dot(
         transpose_rhs: torch-style Linear weights, used without a copy); or
         weight-only quantized, int8 or float8_e4m3fn, with rhs_scale.
       rhs_scale: with quantized rhs, [G_local, N] float32 (or bfloat16)
-        per-output-channel scales: the weights are rhs[g, :, n] * rhs_scale[g, n].
+        per-output-channel scales: the weights are rhs[g, :, n] * rhs_scale[g, n];
+        or 128 x 128 block scales [G_local, A/128, B/128] in rhs's own axis
+        order (rhs [G_local, A, B], A and B multiples of 128; FP8 checkpoints'
+        `weight_scale_inv` for transpose_rhs): rhs[g, a, b] * rhs_scale[g, a//128, b//128].
         Quantized weights and their scales are frozen: they get no gradient
         (zeros), lhs does.
       group_sizes: int32 [G], G >= G_local. Rows past sum(group_sizes) come out

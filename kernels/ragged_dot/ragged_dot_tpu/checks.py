@@ -35,8 +35,10 @@ def check_dtype(name: str, dtype) -> jnp.dtype:
 
 
 def check_weight_scale(name: str, w, scale, n: int, scale_name: str) -> None:
-    """A weight's dtype and its per-output-channel scale: bfloat16/float32 weights
-    take no scale; int8/float8_e4m3fn weights need a [G, n] float32/bfloat16 one."""
+    """A weight's dtype and its scales: bfloat16/float32 weights take none;
+    int8/float8_e4m3fn weights [G, A, B] need float32/bfloat16 scales, per
+    output channel [G, n] or per 128 x 128 block [G, A/128, B/128] (A and B
+    multiples of 128)."""
     wdt = jnp.dtype(w.dtype)
     if not tiling.is_quantized(wdt):
         if wdt not in tiling.SUPPORTED_DTYPES:
@@ -56,10 +58,20 @@ def check_weight_scale(name: str, w, scale, n: int, scale_name: str) -> None:
             f" {wdt.name} {name}, got None"
         )
     want = (w.shape[0], n)
-    if tuple(np.shape(scale)) != want:
+    a, b = w.shape[1:]
+    blocks = (w.shape[0], a // 128, b // 128)
+    if np.ndim(scale) == 3:
+        if a % 128 or b % 128 or tuple(np.shape(scale)) != blocks:
+            raise ValueError(
+                f"{scale_name}: expected 128 x 128 block scales of shape"
+                f" ({w.shape[0]}, {name}.shape[1] / 128, {name}.shape[2] / 128) with both"
+                f" dims multiples of 128, got {tuple(np.shape(scale))} for {name}"
+                f" {tuple(w.shape)}"
+            )
+    elif tuple(np.shape(scale)) != want:
         raise ValueError(
             f"{scale_name}: expected shape {want} (one scale per expert and output"
-            f" channel), got {tuple(np.shape(scale))}"
+            f" channel) or 128 x 128 block scales {blocks}, got {tuple(np.shape(scale))}"
         )
     if jnp.dtype(scale.dtype) not in tiling.SUPPORTED_DTYPES:
         raise ValueError(f"{scale_name}: expected float32 or bfloat16, got {_dtype_name(scale)}")

@@ -53,6 +53,12 @@ experts' scales are read). On the output axis (``scale_axis="n"``, the
 forward) they multiply the f32 product; on the contraction axis
 (``scale_axis="k"``, d_lhs: grad @ (s * W)^T) they multiply the lhs rows
 before the pass, which costs rows x K instead of K x N per pass.
+Block scales (``scale_axis="block"``: one scale per 128 x 128 block of rhs,
+[G_local, A/128 * B/128] for rhs [G_local, A, B], flattened in rhs's own
+order, FP8 checkpoints' format) do not factor out of the contraction: a
+pass runs one 128-deep MXU product per block row and scales its f32 result
+by that row's scales (scalars from SMEM, where each expert's scales land
+beside its slab), rows x N work per block row instead of dequantizing K x N.
 
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it
@@ -180,6 +186,8 @@ def _gmm_kernel(
     compute_dtype,
     precision,
     scale_axis,
+    contraction,
+    rhs_b,
     trace,
 ):
     if scale_axis:
@@ -228,7 +236,7 @@ def _gmm_kernel(
                 src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
             if scale_axis == "n":
                 scale_src = scale_hbm.at[j, :, pl.ds(col, block_n)]
-            elif scale_axis == "k":
+            else:  # "k", "block": the whole expert's scales
                 scale_src = scale_hbm.at[j]
         dmas = [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
         if scale_axis:
@@ -334,6 +342,42 @@ def _gmm_kernel(
         r_lo = jnp.maximum(lo, tile_lo) - tile_lo
         r_hi = jnp.minimum(hi, tile_hi) - tile_lo
 
+        def block_dot(r0, size, c0, width):
+            """x @ (s * W) for columns [c0, c0 + width) with 128 x 128 block scales.
+            Within one 128-column block of the output the scales vary only along
+            the contraction, so they fold into the lhs rows: one full-depth MXU
+            pass per column block on x times that block's scales (a lane row
+            over K built from SMEM scalars), rows x K work per column block."""
+            col = n_i * block_n + c0  # the piece's first column of rhs's N
+            b_blocks = rhs_b // 128
+            lane_block = lax.div(lax.broadcasted_iota(jnp.int32, (1, contraction), 1), 128)
+            x = lhs_ref[pl.ds(r0, size), :].astype(jnp.float32)
+            outs = []
+            for cb in range(width // 128):
+                nb = lax.div(col, 128) + cb
+                row = jnp.zeros((1, contraction), jnp.float32)
+                for kb in range(contraction // 128):
+                    # rhs [G, K, N]: (a, b) = (k, n); transposed [G, N, K]: (n, k).
+                    a, b = (nb, kb) if transpose_rhs else (kb, nb)
+                    row = jnp.where(lane_block == kb, sbuf[slot, a * b_blocks + b], row)
+                xs = (x * row).astype(compute_dtype)
+                if transpose_rhs:
+                    w = wbuf[slot, pl.ds(c0 + cb * 128, 128), :]
+                    dims = (((1,), (1,)), ((), ()))
+                else:
+                    w = wbuf[slot, :, pl.ds(c0 + cb * 128, 128)]
+                    dims = (((1,), (0,)), ((), ()))
+                outs.append(
+                    lax.dot_general(
+                        xs,
+                        w.astype(compute_dtype),
+                        dims,
+                        precision=precision,
+                        preferred_element_type=jnp.float32,
+                    )
+                )
+            return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
         def emit(r0, size):
             x = lhs_ref[pl.ds(r0, size), :]
             if scale_axis == "k":
@@ -351,13 +395,16 @@ def _gmm_kernel(
                 else:
                     w = wbuf[slot, :, pl.ds(c0, width)]
                     dims = (((1,), (0,)), ((), ()))
-                y = lax.dot_general(
-                    x,
-                    w.astype(compute_dtype),
-                    dims,
-                    precision=precision,
-                    preferred_element_type=jnp.float32,
-                )
+                if scale_axis == "block":
+                    y = block_dot(r0, size, c0, width)
+                else:
+                    y = lax.dot_general(
+                        x,
+                        w.astype(compute_dtype),
+                        dims,
+                        precision=precision,
+                        preferred_element_type=jnp.float32,
+                    )
                 if scale_axis == "n":
                     y = y * sbuf[slot, :, pl.ds(c0, width)]
                 dst = (pl.ds(r0, size), pl.ds(c0, width))
@@ -426,9 +473,11 @@ def gmm(
       group_sizes: int32 [G], G >= G_local; rows per group, in order.
       group_offset: first group held by this shard (int or int32 scalar).
       rhs_scale: with int8 / float8_e4m3fn rhs, f32 per-channel scales
-        [G_local, 1, S]: the weights are rhs * scale along `scale_axis`.
-      scale_axis: "n" (S = N, the output columns) or "k" (S = K, the
-        contraction); required with rhs_scale.
+        [G_local, 1, S]: the weights are rhs * scale along `scale_axis`; or
+        block scales [G_local, A/128 * B/128] for rhs [G_local, A, B]
+        (rhs[g, a, b] * scale[g, (a // 128) * (B // 128) + b // 128]).
+      scale_axis: "n" (S = N, the output columns), "k" (S = K, the
+        contraction) or "block" (A, B multiples of 128); required with rhs_scale.
       transpose_rhs: contract rhs on its last axis (rhs given as [G, N, K]).
       preferred_element_type: output dtype (default: result type of inputs).
         Accumulation is always f32; lhs is cast to rhs's dtype for the MXU
@@ -458,7 +507,18 @@ def gmm(
             f" {jnp.dtype(rhs.dtype).name}, rhs_scale {rhs_scale is not None},"
             f" scale_axis {scale_axis!r}"
         )
-    if quantized:
+    if quantized and scale_axis == "block":
+        a_dim, b_dim = rhs.shape[1:]
+        want = (num_local, (a_dim // 128) * (b_dim // 128))
+        if a_dim % 128 or b_dim % 128 or tuple(rhs_scale.shape) != want:
+            raise ValueError(
+                f"gmm: block scales need rhs dims that are multiples of 128 and rhs_scale"
+                f" {want}; got rhs {tuple(rhs.shape)}, rhs_scale {tuple(rhs_scale.shape)}"
+            )
+        rhs_scale = rhs_scale.astype(jnp.float32)
+        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+        compute_dtype = lhs.dtype
+    elif quantized:
         s_len = {"n": n, "k": k}.get(scale_axis)
         if s_len is None or tuple(rhs_scale.shape) != (num_local, 1, s_len):
             raise ValueError(
@@ -515,7 +575,12 @@ def gmm(
         pltpu.SMEM((num_local,), jnp.int32),
         pltpu.SMEM((3,), jnp.int32),
     ]
-    if quantized:
+    if scale_axis == "block":
+        scratch += [
+            pltpu.SMEM((buffers, rhs_scale.shape[1]), jnp.float32),
+            pltpu.SemaphoreType.DMA((buffers,)),
+        ]
+    elif quantized:
         s_width = bn if scale_axis == "n" else k
         scratch += [
             pltpu.VMEM((buffers, 1, s_width), jnp.float32),
@@ -540,6 +605,8 @@ def gmm(
         compute_dtype=compute_dtype,
         precision=precision,
         scale_axis=scale_axis,
+        contraction=k,
+        rhs_b=rhs.shape[2],
         trace=_trace,
     )
     isz = lambda d: jnp.dtype(d).itemsize

@@ -40,11 +40,15 @@ def shard_rows(group_sizes, group_offset, num_local):
 
 
 def dequantize(rhs, rhs_scale):
-    """rhs [G, K, N] in f32, times its [G, N] per-output-channel scales if any."""
+    """rhs [G, A, B] in f32, times its scales if any: [G, B] per output channel,
+    or [G, A/128, B/128] per 128 x 128 block."""
     w = rhs.astype(jnp.float32)
     if rhs_scale is None:
         return w
-    return w * rhs_scale.astype(jnp.float32)[:, None, :]
+    s = rhs_scale.astype(jnp.float32)
+    if s.ndim == 3:
+        return w * jnp.repeat(jnp.repeat(s, 128, axis=1), 128, axis=2)
+    return w * s[:, None, :]
 
 
 def ragged_dot_reference(
@@ -54,7 +58,8 @@ def ragged_dot_reference(
 
     rhs holds groups [group_offset, group_offset + rhs.shape[0]) of the
     len(group_sizes) groups; computed in f32 at HIGHEST precision. Quantized
-    rhs (int8, float8_e4m3fn) is dequantized with rhs_scale [G, N] in f32 first.
+    rhs (int8, float8_e4m3fn) is dequantized with rhs_scale in f32 first
+    ([G, N] per channel or [G, K/128, N/128] per block, see `dequantize`).
     """
     if rhs_scale is not None:
         out_dtype = preferred_element_type or lhs.dtype
@@ -140,11 +145,11 @@ def moe_experts_reference(
     scales = {"up": gate_up_scale, "down": down_scale}
 
     def matmul(x, w, group_sizes, which):
+        s = scales[which]
         if not is_transposed:
             w = jnp.swapaxes(w, 1, 2)
-        return ragged_dot_reference(
-            x, w, group_sizes, preferred_element_type=x.dtype, rhs_scale=scales[which]
-        )
+            s = jnp.swapaxes(s, 1, 2) if s is not None and s.ndim == 3 else s
+        return ragged_dot_reference(x, w, group_sizes, preferred_element_type=x.dtype, rhs_scale=s)
 
     return moe.experts_program(
         hidden,
