@@ -4,7 +4,8 @@ Inputs cross as NumPy views of the tensor's memory (buffer protocol): jit
 accepts them without a copy and dispatches them on its fast path, ~15 us per
 call cheaper than importing the same memory through DLPack, whose arrays take
 jit's slower argument handling. bfloat16, which NumPy lacks, crosses as an
-int16 view reinterpreted as ml_dtypes.bfloat16 (still no copy). Outputs come
+int16 view reinterpreted as ml_dtypes.bfloat16 (still no copy), float8_e4m3fn
+as a uint8 view. Outputs come
 back through DLPack, which also waits for the computation.
 """
 
@@ -24,6 +25,8 @@ def to_jax(t: torch.Tensor):
         t = t.contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
     if t.dtype == torch.int64:
         # JAX runs without x64: indices travel as int32 (all our index tensors fit).
         t = t.to(torch.int32)
@@ -45,6 +48,8 @@ TORCH_TO_JAX_DTYPE = {
     torch.float32: jnp.float32,
     torch.float16: jnp.float16,
     torch.bfloat16: jnp.bfloat16,
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
+    torch.int8: jnp.int8,
     torch.int32: jnp.int32,
     torch.int64: jnp.int64,
     torch.bool: jnp.bool_,

@@ -83,3 +83,86 @@ def test_generate_matches_eager_f32_and_logits_match_bf16(family, kernel, tmp_pa
         a, b = ours16(ids).logits.float(), ref16(ids).logits.float()
     # bf16 end to end: a few bf16 ulps of the logit scale.
     torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=5e-2)
+
+
+def _dequantized(weight, scale_inv, block):
+    """FP8Experts weights in f32: per 128 x 128 block, or per tensor (gate_up's halves)."""
+    s = scale_inv.float()
+    if block is not None:
+        s = s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    else:
+        s = s.repeat_interleave(weight.shape[1] // s.shape[1], 1)
+    return weight.float() * s
+
+
+@pytest.mark.parametrize("block", [[128, 128], None], ids=["blocks", "per_tensor"])
+def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeypatch):
+    """transformers' finegrained FP8 experts (FP8Experts) through our experts_forward:
+    the FP8 bytes stay FP8 in the model, and the logits and greedy tokens equal an
+    f32 model holding the dequantized expert weights."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    # transformers 5.22 refuses FP8 (or dequantizes a pre-quantized checkpoint
+    # to bf16) when no CUDA/XPU device is present, a TPU host included; the
+    # README says so. Here its environment check is skipped to get FP8Experts.
+    monkeypatch.setattr(
+        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer,
+        "validate_environment",
+        lambda self, *a, **k: None,
+    )
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return kernel.experts_forward(*args, **kwargs)
+
+    ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_counted", counted)
+    # Block scales need 128-aligned expert dims.
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        moe_intermediate_size=128,
+        intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    for name, p in model.named_parameters():
+        if "experts" in name:
+            p.data.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path)
+    # Only the experts in FP8: FP8Linear's own matmul needs CUDA.
+    quant = FineGrainedFP8Config(
+        weight_block_size=block,
+        modules_to_not_convert=["q_proj", "k_proj", "v_proj", "o_proj", "gate", "lm_head"],
+    )
+    ours = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        quantization_config=quant,
+        experts_implementation="ragged_dot_tpu_counted",
+        dtype=torch.float32,
+    ).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="eager", dtype=torch.float32
+    ).eval()
+    for lq, lr in zip(ours.model.layers, ref.model.layers):
+        eq, er = lq.mlp.experts, lr.mlp.experts
+        assert eq.gate_up_proj.dtype == eq.down_proj.dtype == torch.float8_e4m3fn
+        er.gate_up_proj.data = _dequantized(eq.gate_up_proj, eq.gate_up_proj_scale_inv, block)
+        er.down_proj.data = _dequantized(eq.down_proj, eq.down_proj_scale_inv, block)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+        assert len(calls) == 2  # one per layer: the FP8 experts ran through our kernel
+        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, want)

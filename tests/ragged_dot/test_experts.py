@@ -184,6 +184,8 @@ def test_expert_parallel_shard_with_expert_offset(family):
             lo,
             float(getattr(m, "alpha", 1.702)),
             float(getattr(m, "limit", 7.0)),
+            None,
+            None,
         )
 
     ct = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(100))

@@ -280,3 +280,53 @@ def test_gmm_rejects_scales_on_an_unknown_axis():
             jnp.ones((2, 64, 128), jnp.int8),
             jnp.ones(2, jnp.int32),
         )
+
+
+@pytest.mark.parametrize("wdt", ["int8", "float8_e4m3fn"])
+def test_torch_op_takes_quantized_weights_and_gives_lhs_its_gradient(wdt):
+    import torch
+
+    import ragged_dot_tpu
+
+    rng = np.random.default_rng(11)
+    q, scale = quantize(rng.standard_normal((3, 96, 128)) * 0.1, getattr(jnp, wdt), out_axis=1)
+    q_t = torch.from_numpy(np.asarray(q).view(np.int8)).view(getattr(torch, wdt))
+    scale_t = torch.from_numpy(np.asarray(scale))
+    lhs = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    lhs.requires_grad_(True)
+    sizes = torch.tensor([7, 0, 13], dtype=torch.int32)
+    out = ragged_dot_tpu.ragged_dot(lhs, q_t, sizes, transpose_rhs=True, rhs_scale=scale_t)
+    out.float().sum().backward()
+    ref = ragged_dot_reference(
+        jnp.asarray(lhs.detach().float().numpy()),
+        jnp.swapaxes(q, 1, 2),
+        jnp.asarray([7, 0, 13], jnp.int32),
+        preferred_element_type=jnp.float32,
+        rhs_scale=scale,
+    )
+    np.testing.assert_allclose(out.detach().float().numpy(), np.asarray(ref), rtol=2**-7, atol=1e-2)
+    # d(sum out)/d lhs[r] = sum over n of the dequantized weight row of r's group.
+    w = np.asarray(q, np.float32) * np.asarray(scale)[:, :, None]  # [G, N, K]
+    group = np.repeat([0, 2], [7, 13])
+    want = w.sum(axis=1)[group]
+    np.testing.assert_allclose(lhs.grad.float().numpy(), want, rtol=2**-6, atol=2e-2)
+
+
+def test_fp8_experts_per_tensor_scales_become_per_channel_halves():
+    # FP8Experts without blocks keeps one scale per tensor, and one per half of
+    # the fused gate_up ([E, 2, 1]): each half's scale covers its own channels.
+    import torch
+
+    from ragged_dot_tpu.layers import _fp8_scale
+
+    class Module:
+        block_size = None
+
+    w = torch.zeros(3, 8, 4, dtype=torch.float8_e4m3fn)
+    s = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).unsqueeze(-1)
+    got = _fp8_scale(Module(), w, s)
+    want = torch.tensor([[1.0] * 4 + [2.0] * 4, [3.0] * 4 + [4.0] * 4, [5.0] * 4 + [6.0] * 4])
+    torch.testing.assert_close(got, want)
+    Module.block_size = [64, 64]
+    with pytest.raises(NotImplementedError, match="weight_block_size \\[64, 64\\]"):
+        _fp8_scale(Module(), w, s)

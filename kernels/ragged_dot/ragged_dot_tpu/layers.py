@@ -13,6 +13,14 @@ the gate to be one we can express in JAX: transformers' default
 Anything else (a custom `_apply_gate`, an unknown activation module, a
 post-expert norm) takes the documented slower path: the same two ragged-dot
 kernels, with the model's own Python gate/norm between them.
+
+Quantized experts: transformers' FP8 experts (`FP8Experts`, finegrained FP8:
+float8_e4m3fn weights with `*_scale_inv` per 128 x 128 block, or per tensor)
+run weight-only: the kernels read the FP8 bytes and widen them in VMEM, the
+activations stay in bf16 (no activation quantization, so the result is the
+dequantized model's, slightly more exact than FP8 x FP8). Register the same
+function for them: `ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu",
+kernel.experts_forward)`.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ def _fused_activation(module) -> str | None:
     qualname = getattr(gate, "__qualname__", "")
     if qualname == "_default_apply_gate":
         return _activation_name(getattr(module, "act_fn", None))
+    if qualname == "FP8Experts._apply_gate":
+        # Plain act(gate) * up unless the config asks for a clamped or SwiGLU-OAI gate.
+        if getattr(module, "swiglu_alpha", None) is None and module.limit is None:
+            return _activation_name(getattr(module, "act_fn", None))
+        return None
     if qualname == "GptOssExperts._apply_gate":
         return "gpt_oss"
     return None
@@ -67,11 +80,49 @@ def _weights(module):
     return gate_up, module.down_proj, up_bias, down_bias
 
 
+def _fp8_scale(module, weight, scale_inv):
+    """An FP8Experts projection's `*_scale_inv` as the kernels take it: 128 x 128
+    block scales as they are, per-tensor ones (one per half of gate_up) per channel."""
+    block = getattr(module, "block_size", None)
+    scale = scale_inv.float()
+    if block is not None:
+        if tuple(block) != (128, 128):
+            raise NotImplementedError(
+                f"experts_forward: FP8 weight_block_size {list(block)}: only [128, 128]"
+                " blocks (or per-tensor scales) are supported"
+            )
+        return scale
+    # Per tensor: [E, parts, 1] with gate_up split in its halves.
+    out, parts = weight.shape[1], scale.shape[1]
+    return scale[..., 0].repeat_interleave(out // parts, dim=1)
+
+
+def _scales(module, gate_up, down):
+    """(gate_up scales, down scales) of weight-only quantized experts, else (None, None)."""
+    if gate_up.element_size() > 1 and down.element_size() > 1:
+        return None, None
+    if gate_up.dtype == torch.int8 and hasattr(module, "down_proj_scale_inv"):
+        raise NotImplementedError(
+            "experts_forward: FP4-packed experts (int8 storage, expert_dtype='fp4') are not supported"
+        )
+    prefix = "gate_up_proj" if module.has_gate else "up_proj"
+    up_scale = getattr(module, f"{prefix}_scale_inv", None)
+    down_scale = getattr(module, "down_proj_scale_inv", None)
+    if up_scale is None or down_scale is None:
+        raise NotImplementedError(
+            f"experts_forward: {type(module).__name__} holds {gate_up.dtype} / {down.dtype}"
+            " expert weights without `*_scale_inv` scales; quantized experts are supported"
+            " as transformers' FP8Experts"
+        )
+    return _fp8_scale(module, gate_up, up_scale), _fp8_scale(module, down, down_scale)
+
+
 def experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers experts interface: [T, H], [T, k] ids, [T, k] weights -> [T, H]."""
     gate_up, down, up_bias, down_bias = _weights(self)
+    up_scale, down_scale = _scales(self, gate_up, down)
     activation = _fused_activation(self)
     if activation is None:
         return _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -85,12 +136,14 @@ def experts_forward(
         down_bias,
         int(self.num_experts),
         bool(self.has_gate),
-        bool(self.is_transposed),
+        bool(getattr(self, "is_transposed", False)),
         bool(getattr(self, "is_concatenated", True)),
         activation,
         0,
         float(getattr(self, "alpha", 1.702)),
-        float(getattr(self, "limit", 7.0)),
+        float(getattr(self, "limit", None) or 7.0),
+        up_scale,
+        down_scale,
     )
 
 
@@ -98,6 +151,9 @@ def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Slower path for gates and norms we cannot fuse: two ragged-dot kernel calls,
     the model's own `_apply_gate` / `act_fn` / `post_expert_norm` between them."""
     gate_up, down, up_bias, down_bias = _weights(self)
+    up_scale, down_scale = _scales(self, gate_up, down)
+    transpose = not getattr(self, "is_transposed", False)
+    dtype = hidden_states.dtype if up_scale is not None else gate_up.dtype
     num_tokens, k = top_k_index.shape
     num_experts = int(self.num_experts)
     ids = top_k_index.reshape(-1)
@@ -106,13 +162,15 @@ def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     order = torch.argsort(key, stable=True)
     key_sorted = key[order]
     group_sizes = torch.bincount(key, minlength=num_experts + 1)[:num_experts].to(torch.int32)
-    x = hidden_states[order // k].to(gate_up.dtype)
+    x = hidden_states[order // k].to(dtype)
     rows_expert = key_sorted.clamp(max=num_experts - 1)
-    proj = ragged_dot(x, gate_up, group_sizes, transpose_rhs=not self.is_transposed)
+    proj = ragged_dot(x, gate_up, group_sizes, transpose_rhs=transpose, rhs_scale=up_scale)
     if up_bias is not None:
         proj = proj + up_bias[rows_expert]
     proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
-    out = ragged_dot(proj.to(down.dtype), down, group_sizes, transpose_rhs=not self.is_transposed)
+    out = ragged_dot(
+        proj.to(dtype), down, group_sizes, transpose_rhs=transpose, rhs_scale=down_scale
+    )
     if down_bias is not None:
         out = out + down_bias[rows_expert]
     if getattr(self, "has_post_expert_norm", False):

@@ -23,7 +23,7 @@ LIB = OpLibrary("ragged_dot_tpu", Path(__file__).parent)
 
 
 def _rd_statics(args, interpret):
-    _, _, _, _, transpose_rhs, out_dtype = args
+    _, _, _, _, transpose_rhs, out_dtype, _ = args
     return dict(
         transpose_rhs=transpose_rhs,
         preferred_element_type=jnp.dtype(out_dtype) if out_dtype else None,
@@ -32,36 +32,44 @@ def _rd_statics(args, interpret):
     )
 
 
+def _rd_arrays(args):
+    lhs, rhs, group_sizes, group_offset, _, _, rhs_scale = args
+    return lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32), rhs_scale
+
+
 def _rd_forward(*args, interpret):
-    lhs, rhs, group_sizes, group_offset = args[:4]
-    offset = jnp.asarray(group_offset, jnp.int32)
-    return api.ragged_dot_fwd(lhs, rhs, group_sizes, offset, **_rd_statics(args, interpret))
+    return api.ragged_dot_fwd(*_rd_arrays(args), **_rd_statics(args, interpret))
 
 
 def _rd_backward(args, out, residuals, grad, *, interpret):
-    lhs, rhs, group_sizes, group_offset = args[:4]
-    arrays = (lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32))
-    d_lhs, d_rhs, _, _ = api.ragged_dot_bwd(
-        arrays, out, residuals, grad, **_rd_statics(args, interpret)
+    d_lhs, d_rhs, _, _, _ = api.ragged_dot_bwd(
+        _rd_arrays(args), out, residuals, grad, **_rd_statics(args, interpret)
     )
     return d_lhs, d_rhs
 
 
-def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype):
+def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale):
     if transpose_rhs:
         rhs = rhs.swapaxes(1, 2)
-    return reference.ragged_dot_reference(lhs, rhs, group_sizes, group_offset, out_dtype or None)
+        if rhs_scale is not None and rhs_scale.ndim == 3:
+            rhs_scale = rhs_scale.swapaxes(1, 2)
+    return reference.ragged_dot_reference(
+        lhs, rhs, group_sizes, group_offset, out_dtype or None, rhs_scale=rhs_scale
+    )
 
 
-def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype):
-    checks.check_ragged_dot_args(lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs)
+def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale):
+    checks.check_ragged_dot_args(
+        lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs, rhs_scale=rhs_scale
+    )
     if out_dtype:
         checks.check_dtype("out_dtype", out_dtype)
 
 
 _ragged_dot = LIB.define_differentiable(
     "ragged_dot",
-    "(Tensor lhs, Tensor rhs, Tensor group_sizes, int group_offset, bool transpose_rhs, str out_dtype) -> Tensor",
+    "(Tensor lhs, Tensor rhs, Tensor group_sizes, int group_offset, bool transpose_rhs, str out_dtype, "
+    "Tensor? rhs_scale) -> Tensor",
     forward=_rd_forward,
     backward=_rd_backward,
     reference=_rd_reference,
@@ -75,7 +83,8 @@ _ragged_dot = LIB.define_differentiable(
 
 def _moe_split(args, interpret):
     """The op's positional arguments as api.moe_experts_fwd's arrays and statics."""
-    arrays = (*args[:7], jnp.asarray(args[12], jnp.int32))  # the 7 tensors, group_offset
+    # The 7 tensors, group_offset, the 2 scales.
+    arrays = (*args[:7], jnp.asarray(args[12], jnp.int32), *args[15:17])
     names = ("num_experts", "has_gate", "is_transposed", "is_concatenated", "activation")
     statics = dict(zip(names, args[7:12]), alpha=args[13], limit=args[14])
     return arrays, dict(statics, config=None, interpret=interpret)
@@ -95,6 +104,7 @@ def _moe_backward(args, out, residuals, grad, *, interpret):
 def _moe_check(*args):
     (hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, num_experts,
      has_gate, is_transposed, _, activation) = args[:12]  # fmt: skip
+    gate_up_scale, down_scale = args[15:17]
     checks.check_moe_args(
         hidden,
         top_k_index,
@@ -107,6 +117,8 @@ def _moe_check(*args):
         has_gate,
         is_transposed,
         activation,
+        gate_up_scale,
+        down_scale,
     )
 
 
@@ -114,7 +126,8 @@ _moe_experts = LIB.define_differentiable(
     "moe_experts",
     "(Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
     "Tensor? gate_up_bias, Tensor? down_bias, int num_experts, bool has_gate, bool is_transposed, "
-    "bool is_concatenated, str activation, int group_offset, float alpha, float limit) -> Tensor",
+    "bool is_concatenated, str activation, int group_offset, float alpha, float limit, "
+    "Tensor? gate_up_scale, Tensor? down_scale) -> Tensor",
     forward=_moe_forward,
     backward=_moe_backward,
     reference=reference.moe_experts_reference,
@@ -150,6 +163,7 @@ def ragged_dot(
     group_offset: int = 0,
     transpose_rhs: bool = False,
     out_dtype: torch.dtype | None = None,
+    rhs_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`jax.lax.ragged_dot` for torch: rows of group g times rhs[g].
 
@@ -158,10 +172,23 @@ def ragged_dot(
     the consecutive blocks of each group; rows past sum(group_sizes) come out
     zero). group_offset: first group held in rhs (expert parallelism; rows of
     other groups come out zero). bfloat16 or float32, f32 accumulation.
+    Weight-only quantized rhs (int8, float8_e4m3fn) takes rhs_scale: [G, N]
+    per output channel, or [G, A/128, B/128] per 128 x 128 block of rhs
+    [G, A, B]; such weights and scales are frozen (no gradient).
     """
     validate.check_tensors(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    if rhs_scale is not None:
+        validate.check_tensors(rhs_scale=rhs_scale)
     name = "" if out_dtype is None else str(out_dtype).removeprefix("torch.")
-    args = (lhs, rhs, _index_tensor(group_sizes), int(group_offset), bool(transpose_rhs), name)
+    args = (
+        lhs,
+        rhs,
+        _index_tensor(group_sizes),
+        int(group_offset),
+        bool(transpose_rhs),
+        name,
+        rhs_scale,
+    )
     _check_group_sizes(*args)
     return _ragged_dot(*args)
 
