@@ -110,6 +110,66 @@ def _ours_moe(point, generation, ctx) -> Built:
     return Built(fn, ("ours_moe_experts", generation), glue_key=("ours_moe_experts",))
 
 
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def _quantize(w, dtype: str, blocks: bool):
+    """Symmetric weight-only quantization of [E, in, out] weights: (quantized,
+    scales [E, out] per output channel, or [E, in/128, out/128] per block).
+    ShapeDtypeStructs give ShapeDtypeStructs of the same."""
+    e, k, n = w.shape
+    s_shape = (e, k // 128, n // 128) if blocks else (e, n)
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return (
+            jax.ShapeDtypeStruct(w.shape, jnp.dtype(dtype)),
+            jax.ShapeDtypeStruct(s_shape, jnp.float32),
+        )
+    w = w.astype(jnp.float32)
+    if blocks:
+        amax = jnp.abs(w.reshape(e, k // 128, 128, n // 128, 128)).max(axis=(2, 4))
+        full = jnp.repeat(jnp.repeat(amax, 128, 1), 128, 2)
+    else:
+        amax = jnp.abs(w).max(axis=1)
+        full = amax[:, None, :]
+    scale = jnp.where(amax > 0, amax / QMAX[dtype], 1.0)
+    q = w / jnp.where(full > 0, full / QMAX[dtype], 1.0)
+    q = jnp.clip(jnp.round(q), -127, 127) if dtype == "int8" else q
+    return q.astype(dtype), scale
+
+
+def _ours_moe_quantized(dtype: str, blocks: bool):
+    """moe_experts on weight-only quantized weights (same [E, in, out] layout as
+    ours_moe_experts): the bytes the kernels read shrink, the layer's program is
+    otherwise the same."""
+
+    def build(point, generation, ctx) -> Built:
+        op = _contract_entry("ragged_dot_tpu", "moe_experts", generation, is_transposed=True)
+
+        def fn(x, w_gate_up, w_down, ids, weights, gate_up_scale, down_scale):
+            return op(
+                x,
+                ids,
+                weights,
+                w_gate_up,
+                w_down,
+                None,
+                None,
+                gate_up_scale,
+                down_scale,
+                num_experts=w_gate_up.shape[0],
+            )
+
+        def adapt_args(x, w_gate_up, w_down, ids, weights):
+            gu, gu_s = _quantize(w_gate_up, dtype, blocks)
+            dn, dn_s = _quantize(w_down, dtype, blocks)
+            return x, gu, dn, ids, weights, gu_s, dn_s
+
+        name = f"ours_moe_experts_{dtype}" + ("_blocks" if blocks else "")
+        return Built(fn, (name, generation), glue_key=(name,), adapt_args=adapt_args)
+
+    return build
+
+
 def _ours_ragged_dot(point, generation, ctx) -> Built:
     gmm = _contract_entry("ragged_dot_tpu", "ragged_dot", generation)
 
@@ -358,6 +418,20 @@ register(
         ours=True,
     )
 )
+for _dtype, _blocks, _what in (
+    ("int8", False, "int8 weights, per-output-channel scales"),
+    ("float8_e4m3fn", False, "float8_e4m3fn weights, per-output-channel scales"),
+    ("float8_e4m3fn", True, "float8_e4m3fn weights, 128 x 128 block scales (FP8 checkpoints)"),
+):
+    register(
+        Impl(
+            f"ours_moe_experts_{_dtype}" + ("_blocks" if _blocks else ""),
+            "moe",
+            f"ragged_dot_tpu.api.moe_experts, weight-only quantized: {_what}",
+            _ours_moe_quantized(_dtype, _blocks),
+            ours=True,
+        )
+    )
 register(
     Impl(
         "ours_ragged_dot",

@@ -371,6 +371,12 @@ def _zeros_placeholder():
     return jax.numpy.zeros((0,), jax.numpy.float32)
 
 
+def _frozen(a) -> bool:
+    """One-byte tensors (int8 / float8 quantized weights) get no gradient, as
+    with transformers' own FP8 matmuls: autograd sees None for them."""
+    return a is None or jax.numpy.dtype(a.dtype).itemsize == 1
+
+
 def _define_differentiable(
     lib: OpLibrary, name, schema, forward, backward, reference, differentiable, check
 ) -> DifferentiableOp:
@@ -422,7 +428,7 @@ def _define_differentiable(
     def finish(args, grads):
         return tuple(
             _zeros_placeholder()
-            if args[i] is None
+            if _frozen(args[i])
             else (jax.numpy.zeros_like(args[i]) if g is None else g)
             for i, g in zip(diff_idx, grads)
         )
@@ -492,7 +498,7 @@ def _define_differentiable(
         got = bwd_op(*args, *outs, residuals, *cts, ctx.reference)
         got = got if isinstance(got, (tuple, list)) else (got,)
         for i, g in zip(diff_idx, got):
-            result[i] = None if args[i] is None else g
+            result[i] = None if args[i] is None or args[i].element_size() == 1 else g
         return tuple(result)
 
     fwd_op.register_autograd(backward_fn, setup_context)

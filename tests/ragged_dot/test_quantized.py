@@ -330,3 +330,43 @@ def test_fp8_experts_per_tensor_scales_become_per_channel_halves():
     Module.block_size = [64, 64]
     with pytest.raises(NotImplementedError, match="weight_block_size \\[64, 64\\]"):
         _fp8_scale(Module(), w, s)
+
+
+def test_torch_moe_op_backward_leaves_fp8_weights_and_scales_without_gradient():
+    # transformers' FP8Experts holds its FP8 weights and scales as Parameters that
+    # require grad; a backward through our op gives the activations and routing
+    # weights their gradients (against the reference on the dequantized weights)
+    # and the quantized weights and their scales None, as transformers' own FP8
+    # matmuls do.
+    import torch
+
+    from ragged_dot_tpu import ops as rd_ops
+
+    t, h, i, e = 6, 128, 128, 4
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(t, h, generator=gen).requires_grad_(True)
+    idx = torch.randint(0, e, (t, 2), generator=gen, dtype=torch.int32)
+    weights = torch.rand(t, 2, generator=gen).requires_grad_(True)
+    rng = np.random.default_rng(5)
+    gu, gu_s = quantize_blocks(rng.standard_normal((e, 2 * i, h)) * 0.05, jnp.float8_e4m3fn)
+    dn, dn_s = quantize_blocks(rng.standard_normal((e, h, i)) * 0.05, jnp.float8_e4m3fn)
+    as_torch = lambda q: torch.from_numpy(np.asarray(q).view(np.uint8)).view(torch.float8_e4m3fn)  # noqa: E731
+    params = [as_torch(gu), as_torch(dn), torch.from_numpy(np.asarray(gu_s)), torch.from_numpy(np.asarray(dn_s))]  # fmt: skip
+    for p in params:
+        p.requires_grad_(True)
+    statics = (e, True, False, True, "silu", 0, 1.702, 7.0)
+    out = rd_ops._moe_experts(hidden, idx, weights, *params[:2], None, None, *statics, *params[2:])
+    ct = torch.randn(t, h, generator=gen)
+    out.backward(ct)
+    assert all(p.grad is None for p in params)
+
+    def ref(x, w):
+        return moe_experts_reference(
+            x, jnp.asarray(idx.numpy()), w, gu, dn, None, None, *statics, gu_s, dn_s
+        )
+
+    f32 = lambda a: jnp.asarray(a.detach().numpy())  # noqa: E731
+    want, vjp = jax.vjp(ref, f32(hidden), f32(weights))
+    np.testing.assert_allclose(out.detach().numpy(), np.asarray(want), rtol=2e-4, atol=2e-4)
+    for name, got, w in zip(("hidden", "weights"), (hidden.grad, weights.grad), vjp(f32(ct))):
+        np.testing.assert_allclose(got.numpy(), np.asarray(w), rtol=5e-4, atol=5e-4, err_msg=name)
