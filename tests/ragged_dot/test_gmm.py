@@ -383,7 +383,7 @@ def _args(**kw):
         ),
         (dict(group_sizes=jnp.zeros((3,), jnp.int32)), "group_sizes: expected length >= "),
         (dict(group_sizes=jnp.zeros((4, 1), jnp.int32)), "group_sizes: expected a 1-D"),
-        (dict(group_sizes=jnp.zeros((4,), jnp.float32)), "group_sizes: expected dtype int32"),
+        (dict(group_sizes=jnp.zeros((4,), jnp.float32)), "group_sizes: expected an integer"),
         (
             dict(group_sizes=jnp.zeros((6,), jnp.int32), group_offset=3),
             "group_offset: expected 0 <=",
@@ -447,3 +447,15 @@ def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
     assert calls == [(72, 100), (128, 128)]
     assert got.shape == (4, 72, 100)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint32, jnp.int16])
+def test_group_sizes_of_other_integer_types_are_read_as_int32(dtype):
+    # tokamax passes uint32 group sizes; any integer type is accepted and cast.
+    rng = np.random.default_rng(4)
+    lhs = _rand(rng, (24, 128), jnp.bfloat16)
+    rhs = _rand(rng, (3, 128, 128), jnp.bfloat16)
+    sizes = [9, 0, 11]
+    out = ragged_dot(lhs, rhs, jnp.asarray(sizes, dtype), interpret=True)
+    _check_rd(out, lhs, rhs, jnp.asarray(sizes, jnp.int32))
+    assert np.all(np.asarray(out[20:], np.float32) == 0)

@@ -190,7 +190,8 @@ def ragged_dot(
         `weight_scale_inv` for transpose_rhs): rhs[g, a, b] * rhs_scale[g, a//128, b//128].
         Quantized weights and their scales are frozen: they get no gradient
         (zeros), lhs does.
-      group_sizes: int32 [G], G >= G_local. Rows past sum(group_sizes) come out
+      group_sizes: integer [G] (int32; uint32 / int64 are cast), G >= G_local.
+        Rows past sum(group_sizes) come out
         zero (and get zero gradient).
       group_offset: first group this shard holds (expert parallelism); rows of
         other groups come out zero. A Python int or an int32 scalar.
@@ -217,6 +218,7 @@ def ragged_dot(
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
     group_offset = jnp.asarray(group_offset, jnp.int32)
+    group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
     return _ragged_dot(
         lhs,
         rhs,

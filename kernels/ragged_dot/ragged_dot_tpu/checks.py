@@ -91,7 +91,7 @@ def check_ragged_dot_args(
 
     lhs [M, K] and rhs [G_local, K, N] share a dtype (bfloat16 or float32), or
     rhs is int8/float8_e4m3fn with rhs_scale [G_local, N] (float32/bfloat16);
-    group_sizes is int32 [G] with G >= G_local; group_offset is an integer
+    group_sizes is integer (read as int32) [G] with G >= G_local; group_offset is an integer
     scalar, and when static, 0 <= group_offset <= G - G_local. With
     transpose_rhs, rhs is [G_local, N, K].
     """
@@ -116,8 +116,12 @@ def check_ragged_dot_args(
         raise ValueError(
             f"group_sizes: expected a 1-D array [G], got shape {tuple(np.shape(group_sizes))}"
         )
-    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
-        raise ValueError(f"group_sizes: expected dtype int32, got {_dtype_name(group_sizes)}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        # Any integer type is taken (tokamax passes uint32) and read as int32.
+        raise ValueError(
+            f"group_sizes: expected an integer dtype (int32; others are cast), got"
+            f" {_dtype_name(group_sizes)}"
+        )
     g_total, g_local = group_sizes.shape[0], rhs.shape[0]
     if g_total < g_local:
         raise ValueError(
