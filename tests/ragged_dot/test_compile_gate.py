@@ -210,7 +210,7 @@ def _quantized_program(point) -> GateProgram:
     m = tokens * top_k
     # Weights [E, N, K] (Linear layout): the forward reads them transposed.
     transpose, axis = (True, "n") if kernel == "fwd" else (False, "k")
-    scale = spec((e, 1, n), jnp.float32)
+    scale = spec((e, n), jnp.float32)
     if wdt.endswith("_blocks"):
         wdt, axis = wdt.removesuffix("_blocks"), "block"
         scale = spec((e, n * k // 128**2), jnp.float32)
@@ -258,7 +258,7 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
 
         wdt = jnp.dtype(weight_dtype)
         args[3:] = [spec((e, 2 * i, h), wdt), spec((e, h, i), wdt)]
-        args += [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)]
+        args += [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)]  # per channel
     return GateProgram(fn, args, generation)
 
 

@@ -49,7 +49,7 @@ def _hbm_view(rhs, transpose_rhs):
 def _kernel_scale(rhs_scale, swapped, channel_axis):
     """(scales as the kernel takes them, their scale_axis).
 
-    [G, N] per output channel -> [G, 1, N] f32 on `channel_axis` ("n" in the
+    [G, N] per output channel -> [G, N] f32 on `channel_axis` ("n" in the
     forward, "k" in d_lhs, where N is contracted). [G, A/128, B/128] blocks of
     rhs [G, A, B] -> [G, A/128 * B/128] f32 in the order of rhs as the kernel
     reads it (swapped with it), "block" in both passes."""
@@ -57,7 +57,7 @@ def _kernel_scale(rhs_scale, swapped, channel_axis):
         return None, None
     s = rhs_scale.astype(jnp.float32)
     if s.ndim == 2:
-        return s[:, None, :], channel_axis
+        return s, channel_axis
     if swapped:
         s = jnp.swapaxes(s, 1, 2)
     return s.reshape(s.shape[0], -1), "block"

@@ -47,7 +47,7 @@ left zero.
 Quantized weights (int8, fp8 e4m3; weight-only): rhs keeps its one-byte
 elements in HBM and in the weight stream, so the DMA moves half the bytes of
 bf16; each slab piece is widened to lhs's dtype on its way to the MXU. Scales
-are per channel, ``rhs_scale`` [G_local, 1, S] f32, and ride the same ring as
+are per channel, ``rhs_scale`` [G_local, S] f32, and ride the same ring as
 their expert's slab (one small DMA beside each weight DMA, so only active
 experts' scales are read). On the output axis (``scale_axis="n"``, the
 forward) they multiply the f32 product; on the contraction axis
@@ -218,6 +218,10 @@ def _gmm_kernel(
     # `buffers - 1` items are in flight while one is on the MXU, so each DMA's
     # issue latency hides behind the transfers queued before it (with one in
     # flight, every expert paid it in full).
+    def scale_row(j):
+        # Block scales land in SMEM as a flat [L] row; channel scales in VMEM as [1, S].
+        return scale_hbm.at[j] if scale_axis == "block" else scale_hbm.at[pl.ds(j, 1)]
+
     def copies(n_q, a, slot):
         """The DMAs of stream item (slab n_q, active group a): weights, then scales."""
         j = active_ref[a]
@@ -225,7 +229,10 @@ def _gmm_kernel(
             # The whole expert: a static offset, so N need not be a multiple of the
             # 128-lane tile (GPT-OSS: 2880) for Mosaic to prove the DMA aligned.
             src = rhs_hbm.at[j]
-            scale_src = None if scale_axis is None else scale_hbm.at[j]
+            # One row of the [G, S] scales (a [G, 1, S] view would make XLA
+            # pad each row to a sublane tile: an 8x copy of every expert's
+            # scales on every call).
+            scale_src = None if scale_axis is None else scale_row(j)
         else:
             col = n_q * block_n
             if block_n % 128 == 0:
@@ -235,9 +242,9 @@ def _gmm_kernel(
             else:
                 src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
             if scale_axis == "n":
-                scale_src = scale_hbm.at[j, :, pl.ds(col, block_n)]
-            else:  # "k", "block": the whole expert's scales
-                scale_src = scale_hbm.at[j]
+                scale_src = scale_hbm.at[pl.ds(j, 1), pl.ds(col, block_n)]
+            elif scale_axis in ("k", "block"):  # the whole expert's scales
+                scale_src = scale_row(j)
         dmas = [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
         if scale_axis:
             dmas.append(pltpu.make_async_copy(scale_src, sbuf.at[slot], ssem.at[slot]))
@@ -473,7 +480,7 @@ def gmm(
       group_sizes: int32 [G], G >= G_local; rows per group, in order.
       group_offset: first group held by this shard (int or int32 scalar).
       rhs_scale: with int8 / float8_e4m3fn rhs, f32 per-channel scales
-        [G_local, 1, S]: the weights are rhs * scale along `scale_axis`; or
+        [G_local, S]: the weights are rhs * scale along `scale_axis`; or
         block scales [G_local, A/128 * B/128] for rhs [G_local, A, B]
         (rhs[g, a, b] * scale[g, (a // 128) * (B // 128) + b // 128]).
       scale_axis: "n" (S = N, the output columns), "k" (S = K, the
@@ -520,9 +527,9 @@ def gmm(
         compute_dtype = lhs.dtype
     elif quantized:
         s_len = {"n": n, "k": k}.get(scale_axis)
-        if s_len is None or tuple(rhs_scale.shape) != (num_local, 1, s_len):
+        if s_len is None or tuple(rhs_scale.shape) != (num_local, s_len):
             raise ValueError(
-                f"gmm: expected rhs_scale [{num_local}, 1, {s_len}] on axis"
+                f"gmm: expected rhs_scale [{num_local}, {s_len}] on axis"
                 f" {scale_axis!r}, got {tuple(rhs_scale.shape)}"
             )
         rhs_scale = rhs_scale.astype(jnp.float32)
