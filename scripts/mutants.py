@@ -72,6 +72,7 @@ T_RMS = "tests/rmsnorm/test_kernel.py"
 T_RMS_OP = "tests/rmsnorm/test_torch_op.py"
 T_GMM = "tests/ragged_dot/test_gmm.py"
 T_RD_OP = "tests/ragged_dot/test_torch_op.py"
+T_QUANT = "tests/ragged_dot/test_quantized.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
 T_EXP = "tests/ragged_dot/test_experts.py"
 T_FA = "tests/flash_attention/test_flash_attention.py"
@@ -192,10 +193,27 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-cast",
         GMM,
-        "x = lhs_ref[pl.ds(r0, size), :].astype(compute_dtype)",
-        "x = lhs_ref[pl.ds(r0, size), :].astype(jnp.bfloat16)",
+        "            x = x.astype(compute_dtype)",
+        "            x = x.astype(jnp.bfloat16)",
         (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
         "gmm: f32 lhs rounded to bf16 before the MXU (wrong cast)",
+    ),
+    # -- ragged_dot: quantized weights -------------------------------------------
+    Mutant(
+        "gmm-channel-scale-offset",
+        GMM,
+        "y = y * sbuf[slot, :, pl.ds(c0, width)]",
+        "y = y * sbuf[slot, :, pl.ds(0, width)]",
+        (f"{T_QUANT}::test_scales_are_applied_per_output_channel_not_ignored",),
+        "gmm: every column piece takes the first piece's per-channel scales",
+    ),
+    Mutant(
+        "gmm-block-scale-index",
+        GMM,
+        "sbuf[slot, a * b_blocks + b]",
+        "sbuf[slot, b * b_blocks + a]",
+        (f"{T_QUANT}::test_block_scales_are_applied_per_block",),
+        "gmm: 128 x 128 block scales read transposed",
     ),
     # -- ragged_dot: tgmm and the custom_vjp ---------------------------------------
     Mutant(
@@ -430,7 +448,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tb-optional-grad",
         f"{TB}/op.py",
-        "result[i] = None if args[i] is None else g",
+        "result[i] = None if args[i] is None or args[i].element_size() == 1 else g",
         "result[i] = g",
         (f"{T_TB}::test_forward_and_autograd_with_optional_tensor",),
         "bindings: a gradient returned for an absent optional tensor",
@@ -464,8 +482,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rd-op-offset",
         RD_OPS,
-        "offset = jnp.asarray(group_offset, jnp.int32)\n    return api.ragged_dot_fwd(",
-        "offset = jnp.asarray(0, jnp.int32)\n    return api.ragged_dot_fwd(",
+        "return lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32), rhs_scale",
+        "return lhs, rhs, group_sizes, jnp.asarray(0, jnp.int32), rhs_scale",
         (f"{T_RD_OP}::test_group_offset_shards_sum_to_full_result",),
         "binding: ragged_dot op drops group_offset",
     ),
