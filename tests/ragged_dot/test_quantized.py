@@ -147,12 +147,17 @@ def test_quantized_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
     assert_close(d_lhs, want_d, magnitude=mag_d, dtype=jnp.bfloat16, roundings=1, what="d_lhs")
 
 
+# Each scale kind once, and each weight layout more than once (suite time:
+# each case compiles the whole interpret-mode layer and its backward).
 @pytest.mark.parametrize(
-    "wdt, blocks",
-    [(jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.float8_e4m3fn, True)],
-    ids=["int8_channel", "e4m3_channel", "e4m3_blocks"],
+    "wdt, blocks, is_transposed",
+    [
+        (jnp.int8, False, False),
+        (jnp.float8_e4m3fn, False, True),
+        (jnp.float8_e4m3fn, True, False),  # FP8 checkpoints: Linear layout, blocks
+    ],
+    ids=["int8_channel-linear_layout", "e4m3_channel-in_out_layout", "e4m3_blocks-linear_layout"],
 )
-@pytest.mark.parametrize("is_transposed", [False, True], ids=["linear_layout", "in_out_layout"])
 def test_quantized_moe_experts_matches_reference_with_gradients(wdt, blocks, is_transposed):
     rng = np.random.default_rng(7)
     t, h, i, e, k = 12, 128, 256, 6, 2
