@@ -243,8 +243,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rd-dlhs-offset",
         RD,
-        "        group_sizes,\n        group_offset=group_offset,\n        transpose_rhs=not transpose_rhs,",
-        "        group_sizes,\n        group_offset=0,\n        transpose_rhs=not transpose_rhs,",
+        "        group_offset=group_offset,\n        rhs_scale=scale,\n        scale_axis=scale_axis,\n        transpose_rhs=not transpose_rhs,",
+        "        group_offset=0,\n        rhs_scale=scale,\n        scale_axis=scale_axis,\n        transpose_rhs=not transpose_rhs,",
         (f"{T_GMM}::test_group_offset_shards_sum_to_full_result[float32]",),
         "custom_vjp: d_lhs ignores the shard's group offset",
     ),
@@ -448,7 +448,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tb-optional-grad",
         f"{TB}/op.py",
-        "result[i] = None if args[i] is None or args[i].element_size() == 1 else g",
+        "result[i] = None if _no_gradient(args[i]) else g",
         "result[i] = g",
         (f"{T_TB}::test_forward_and_autograd_with_optional_tensor",),
         "bindings: a gradient returned for an absent optional tensor",

@@ -371,10 +371,16 @@ def _zeros_placeholder():
     return jax.numpy.zeros((0,), jax.numpy.float32)
 
 
-def _frozen(a) -> bool:
-    """One-byte tensors (int8 / float8 quantized weights) get no gradient, as
-    with transformers' own FP8 matmuls: autograd sees None for them."""
-    return a is None or jax.numpy.dtype(a.dtype).itemsize == 1
+def _no_gradient(a) -> bool:
+    """An absent optional tensor, or a one-byte one (int8 / float8 quantized
+    weights, frozen as in transformers' own FP8 matmuls), gets no gradient:
+    the backward op returns a placeholder and autograd sees None. `a` is a JAX
+    array (backward op) or a torch tensor (autograd)."""
+    if a is None:
+        return True
+    if isinstance(a, torch.Tensor):
+        return a.element_size() == 1
+    return jax.numpy.dtype(a.dtype).itemsize == 1
 
 
 def _define_differentiable(
@@ -428,7 +434,7 @@ def _define_differentiable(
     def finish(args, grads):
         return tuple(
             _zeros_placeholder()
-            if _frozen(args[i])
+            if _no_gradient(args[i])
             else (jax.numpy.zeros_like(args[i]) if g is None else g)
             for i, g in zip(diff_idx, grads)
         )
@@ -498,7 +504,7 @@ def _define_differentiable(
         got = bwd_op(*args, *outs, residuals, *cts, ctx.reference)
         got = got if isinstance(got, (tuple, list)) else (got,)
         for i, g in zip(diff_idx, got):
-            result[i] = None if args[i] is None or args[i].element_size() == 1 else g
+            result[i] = None if _no_gradient(args[i]) else g
         return tuple(result)
 
     fwd_op.register_autograd(backward_fn, setup_context)

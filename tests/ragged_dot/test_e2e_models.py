@@ -6,7 +6,8 @@ import torch
 REPO = "tpu-kernels/ragged-dot-tpu"
 
 
-def _save_tiny(family, path):
+def _save_tiny(family, path, **sizes):
+    """A tiny random model of `family` saved at `path`; `sizes` override its config."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     common = dict(
@@ -19,23 +20,19 @@ def _save_tiny(family, path):
     )
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                moe_intermediate_size=24,
-                intermediate_size=64,
-                num_experts=8,
-                num_experts_per_tok=2,
-                head_dim=12,
-                norm_topk_prob=True,
-                **common,
-            )
+        config = dict(
+            common,
+            moe_intermediate_size=24,
+            intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=12,
+            norm_topk_prob=True,
         )
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**config, **sizes}))
     else:
-        model = MixtralForCausalLM(
-            MixtralConfig(
-                intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **common
-            )
-        )
+        config = dict(common, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+        model = MixtralForCausalLM(MixtralConfig(**{**config, **sizes}))
     # Larger weights than the default init, so routing and logits are not flat.
     for name, p in model.named_parameters():
         if "experts" in name:
@@ -100,8 +97,7 @@ def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeyp
     """transformers' finegrained FP8 experts (FP8Experts) through our experts_forward:
     the FP8 bytes stay FP8 in the model, and the logits and greedy tokens equal an
     f32 model holding the dequantized expert weights."""
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
     from transformers.quantizers import quantizer_finegrained_fp8
 
@@ -121,25 +117,15 @@ def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeyp
 
     ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_counted", counted)
     # Block scales need 128-aligned expert dims.
-    config = Qwen3MoeConfig(
-        vocab_size=96,
+    _save_tiny(
+        "qwen3_moe",
+        tmp_path,
         hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=64,
         moe_intermediate_size=128,
         intermediate_size=256,
         num_experts=4,
-        num_experts_per_tok=2,
     )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    for name, p in model.named_parameters():
-        if "experts" in name:
-            p.data.normal_(0.0, 0.2)
-    model.save_pretrained(tmp_path)
     # Only the experts in FP8: FP8Linear's own matmul needs CUDA.
     quant = FineGrainedFP8Config(
         weight_block_size=block,

@@ -105,22 +105,8 @@ def ragged_dot_bwd(
     # The MXU runs in the inputs' dtype: a wider cotangent (f32 output of bf16
     # inputs) is rounded once, here, whichever operand of tgmm it becomes.
     grad = grad.astype(lhs.dtype)
-    if rhs_scale is not None:
-        # d_lhs = grad @ (s * W)^T: per-channel scales sit on the contraction axis.
-        scale, scale_axis = _kernel_scale(rhs_scale, swapped, "k")
-        d_lhs = gmm(
-            grad,
-            rhs,
-            group_sizes,
-            group_offset=group_offset,
-            rhs_scale=scale,
-            scale_axis=scale_axis,
-            transpose_rhs=not transpose_rhs,
-            preferred_element_type=lhs.dtype,
-            config=cfg_lhs,
-            interpret=interpret,
-        )
-        return d_lhs, None, None, None, None
+    # d_lhs = grad @ (s * W)^T: per-channel scales sit on the contraction axis.
+    scale, scale_axis = _kernel_scale(rhs_scale, swapped, "k")
     # rhs as [G, K, N]: d_lhs contracts grad with rhs on N (transposed read);
     # rhs as [G, N, K] (transpose_rhs): the same weights are already [G, N, K]
     # from d_lhs's point of view, so it is a plain gmm.
@@ -129,11 +115,15 @@ def ragged_dot_bwd(
         rhs,
         group_sizes,
         group_offset=group_offset,
+        rhs_scale=scale,
+        scale_axis=scale_axis,
         transpose_rhs=not transpose_rhs,
         preferred_element_type=lhs.dtype,
         config=cfg_lhs,
         interpret=interpret,
     )
+    if rhs_scale is not None:  # quantized weights are frozen
+        return d_lhs, None, None, None, None
     if transpose_rhs:
         d_rhs = tgmm(
             grad,

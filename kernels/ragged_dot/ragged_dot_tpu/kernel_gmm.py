@@ -55,10 +55,12 @@ forward) they multiply the f32 product; on the contraction axis
 before the pass, which costs rows x K instead of K x N per pass.
 Block scales (``scale_axis="block"``: one scale per 128 x 128 block of rhs,
 [G_local, A/128 * B/128] for rhs [G_local, A, B], flattened in rhs's own
-order, FP8 checkpoints' format) do not factor out of the contraction: a
-pass runs one 128-deep MXU product per block row and scales its f32 result
-by that row's scales (scalars from SMEM, where each expert's scales land
-beside its slab), rows x N work per block row instead of dequantizing K x N.
+order, FP8 checkpoints' format) do not factor out of the contraction as a
+whole, but within one 128-column block of the output they vary only along K:
+they fold into the lhs rows (a lane row over K built from scalars in SMEM,
+where each expert's scales land beside its slab), and each column block is
+one full-depth MXU pass, rows x K work per column block instead of
+dequantizing K x N.
 
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it
@@ -349,6 +351,22 @@ def _gmm_kernel(
         r_lo = jnp.maximum(lo, tile_lo) - tile_lo
         r_hi = jnp.minimum(hi, tile_hi) - tile_lo
 
+        def slab_dot(x, c0, width):
+            """x @ the slab's columns [c0, c0 + width), widened to compute_dtype, in f32."""
+            if transpose_rhs:
+                w = wbuf[slot, pl.ds(c0, width), :]
+                dims = (((1,), (1,)), ((), ()))
+            else:
+                w = wbuf[slot, :, pl.ds(c0, width)]
+                dims = (((1,), (0,)), ((), ()))
+            return lax.dot_general(
+                x,
+                w.astype(compute_dtype),
+                dims,
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+
         def block_dot(r0, size, c0, width):
             """x @ (s * W) for columns [c0, c0 + width) with 128 x 128 block scales.
             Within one 128-column block of the output the scales vary only along
@@ -367,51 +385,25 @@ def _gmm_kernel(
                     # rhs [G, K, N]: (a, b) = (k, n); transposed [G, N, K]: (n, k).
                     a, b = (nb, kb) if transpose_rhs else (kb, nb)
                     row = jnp.where(lane_block == kb, sbuf[slot, a * b_blocks + b], row)
-                xs = (x * row).astype(compute_dtype)
-                if transpose_rhs:
-                    w = wbuf[slot, pl.ds(c0 + cb * 128, 128), :]
-                    dims = (((1,), (1,)), ((), ()))
-                else:
-                    w = wbuf[slot, :, pl.ds(c0 + cb * 128, 128)]
-                    dims = (((1,), (0,)), ((), ()))
-                outs.append(
-                    lax.dot_general(
-                        xs,
-                        w.astype(compute_dtype),
-                        dims,
-                        precision=precision,
-                        preferred_element_type=jnp.float32,
-                    )
-                )
+                outs.append(slab_dot((x * row).astype(compute_dtype), c0 + cb * 128, 128))
             return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
         def emit(r0, size):
-            x = lhs_ref[pl.ds(r0, size), :]
-            if scale_axis == "k":
-                x = x.astype(jnp.float32) * sbuf[slot]
-            x = x.astype(compute_dtype)
+            if scale_axis != "block":  # block_dot reads and scales its own rows
+                x = lhs_ref[pl.ds(r0, size), :]
+                if scale_axis == "k":
+                    x = x.astype(jnp.float32) * sbuf[slot]
+                x = x.astype(compute_dtype)
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
             keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
 
             # The slab is consumed in piece_n-column pieces so the unrolled MXU
             # code (and its f32 temporaries) stays small however wide the slab is.
             def columns(c0, width):
-                if transpose_rhs:
-                    w = wbuf[slot, pl.ds(c0, width), :]
-                    dims = (((1,), (1,)), ((), ()))
-                else:
-                    w = wbuf[slot, :, pl.ds(c0, width)]
-                    dims = (((1,), (0,)), ((), ()))
                 if scale_axis == "block":
                     y = block_dot(r0, size, c0, width)
                 else:
-                    y = lax.dot_general(
-                        x,
-                        w.astype(compute_dtype),
-                        dims,
-                        precision=precision,
-                        preferred_element_type=jnp.float32,
-                    )
+                    y = slab_dot(x, c0, width)
                 if scale_axis == "n":
                     y = y * sbuf[slot, :, pl.ds(c0, width)]
                 dst = (pl.ds(r0, size), pl.ds(c0, width))
@@ -514,24 +506,22 @@ def gmm(
             f" {jnp.dtype(rhs.dtype).name}, rhs_scale {rhs_scale is not None},"
             f" scale_axis {scale_axis!r}"
         )
-    if quantized and scale_axis == "block":
-        a_dim, b_dim = rhs.shape[1:]
-        want = (num_local, (a_dim // 128) * (b_dim // 128))
-        if a_dim % 128 or b_dim % 128 or tuple(rhs_scale.shape) != want:
-            raise ValueError(
-                f"gmm: block scales need rhs dims that are multiples of 128 and rhs_scale"
-                f" {want}; got rhs {tuple(rhs.shape)}, rhs_scale {tuple(rhs_scale.shape)}"
-            )
-        rhs_scale = rhs_scale.astype(jnp.float32)
-        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-        compute_dtype = lhs.dtype
-    elif quantized:
-        s_len = {"n": n, "k": k}.get(scale_axis)
-        if s_len is None or tuple(rhs_scale.shape) != (num_local, s_len):
-            raise ValueError(
-                f"gmm: expected rhs_scale [{num_local}, {s_len}] on axis"
-                f" {scale_axis!r}, got {tuple(rhs_scale.shape)}"
-            )
+    if quantized:
+        if scale_axis == "block":
+            a_dim, b_dim = rhs.shape[1:]
+            want = (num_local, (a_dim // 128) * (b_dim // 128))
+            if a_dim % 128 or b_dim % 128 or tuple(rhs_scale.shape) != want:
+                raise ValueError(
+                    f"gmm: block scales need rhs dims that are multiples of 128 and rhs_scale"
+                    f" {want}; got rhs {tuple(rhs.shape)}, rhs_scale {tuple(rhs_scale.shape)}"
+                )
+        else:
+            s_len = {"n": n, "k": k}.get(scale_axis)
+            if s_len is None or tuple(rhs_scale.shape) != (num_local, s_len):
+                raise ValueError(
+                    f"gmm: expected rhs_scale [{num_local}, {s_len}] on axis"
+                    f" {scale_axis!r}, got {tuple(rhs_scale.shape)}"
+                )
         rhs_scale = rhs_scale.astype(jnp.float32)
         out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
         compute_dtype = lhs.dtype

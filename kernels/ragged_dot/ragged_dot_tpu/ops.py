@@ -50,9 +50,7 @@ def _rd_backward(args, out, residuals, grad, *, interpret):
 
 def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale):
     if transpose_rhs:
-        rhs = rhs.swapaxes(1, 2)
-        if rhs_scale is not None and rhs_scale.ndim == 3:
-            rhs_scale = rhs_scale.swapaxes(1, 2)
+        rhs, rhs_scale = reference.as_kn(rhs, rhs_scale)
     return reference.ragged_dot_reference(
         lhs, rhs, group_sizes, group_offset, out_dtype or None, rhs_scale=rhs_scale
     )
@@ -176,9 +174,9 @@ def ragged_dot(
     per output channel, or [G, A/128, B/128] per 128 x 128 block of rhs
     [G, A, B]; such weights and scales are frozen (no gradient).
     """
-    validate.check_tensors(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
-    if rhs_scale is not None:
-        validate.check_tensors(rhs_scale=rhs_scale)
+    validate.check_tensors(
+        ("rhs_scale",), lhs=lhs, rhs=rhs, group_sizes=group_sizes, rhs_scale=rhs_scale
+    )
     name = "" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     args = (
         lhs,

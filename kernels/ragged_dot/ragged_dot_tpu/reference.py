@@ -51,6 +51,16 @@ def dequantize(rhs, rhs_scale):
     return w * s[:, None, :]
 
 
+def as_kn(rhs, rhs_scale=None):
+    """Weights given as [G, N, K] (torch Linear layout) and their scales, as
+    [G, K, N] and scales for that (block scales are swapped with the weights;
+    per-channel [G, N] ones stay)."""
+    rhs = jnp.swapaxes(rhs, 1, 2)
+    if rhs_scale is not None and rhs_scale.ndim == 3:
+        rhs_scale = jnp.swapaxes(rhs_scale, 1, 2)
+    return rhs, rhs_scale
+
+
 def ragged_dot_reference(
     lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None, rhs_scale=None
 ):
@@ -147,8 +157,7 @@ def moe_experts_reference(
     def matmul(x, w, group_sizes, which):
         s = scales[which]
         if not is_transposed:
-            w = jnp.swapaxes(w, 1, 2)
-            s = jnp.swapaxes(s, 1, 2) if s is not None and s.ndim == 3 else s
+            w, s = as_kn(w, s)
         return ragged_dot_reference(x, w, group_sizes, preferred_element_type=x.dtype, rhs_scale=s)
 
     return moe.experts_program(
