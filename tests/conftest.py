@@ -67,6 +67,50 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module.
+
+    Every XLA:CPU executable keeps about three memory maps of JIT code until it is
+    freed, and interpret-mode tests compile thousands: one session reached
+    Linux's per-process limit (vm.max_map_count, 65530) about a third of the way
+    through the suite and LLVM segfaulted mapping the next program. Modules
+    share few programs, so clearing between them costs little recompiling.
+    A module that alone takes half the limit fails here, before it can crash
+    the session.
+    """
+    yield
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    import gc
+
+    held = _memory_maps()
+    jax.clear_caches()
+    gc.collect()
+    limit = _max_map_count()
+    if held is not None and limit and held > limit // 2:
+        pytest.fail(
+            f"this module left {held} memory maps open (the limit is {limit}; "
+            f"{_memory_maps()} after clearing JAX's caches): split it or clear within it"
+        )
+
+
+def _memory_maps() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+def _max_map_count() -> int | None:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.fixture(scope="session")
 def published(tmp_path_factory):
     """Every Hub kernel built once by publish.py: {hub name: repo dir}."""
