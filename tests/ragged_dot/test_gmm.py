@@ -199,6 +199,69 @@ def test_bf16_inputs_with_f32_output_and_grads():
     _check_fwd_bwd(out, d_lhs, d_rhs, lhs, rhs, ct.astype(jnp.bfloat16), gs)
 
 
+@st.composite
+def mixed_problems(draw):
+    lhs_dtype, rhs_dtype = draw(st.sampled_from([(DTYPES[0], DTYPES[1]), (DTYPES[1], DTYPES[0])]))
+    m = draw(st.sampled_from([5, 24, 40]))
+    k, n = draw(st.sampled_from([40, 128])), draw(st.sampled_from([50, 128]))
+    g_total = draw(st.integers(2, 4))
+    g_local = draw(st.integers(1, g_total))
+    offset = draw(st.integers(0, g_total - g_local))
+    sizes = _sizes(draw, m, g_total)
+    bias = draw(st.sampled_from([None, jnp.float32, jnp.bfloat16]))
+    return lhs_dtype, rhs_dtype, m, k, n, sizes, g_local, offset, bias, draw(st.booleans())
+
+
+# Megablox takes lhs and rhs of different dtypes and its callers add a per-group
+# bias; both against the f32 reference, which adds the bias as one more
+# contraction term (a ones column), not by gathering rows as ragged_dot does.
+@example((jnp.bfloat16, jnp.float32, 24, 128, 50, [5, 0, 12, 4], 2, 1, jnp.float32, True))
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(mixed_problems())
+def test_mixed_dtypes_and_group_bias_match_reference(problem):
+    lhs_dtype, rhs_dtype, m, k, n, sizes, g_local, offset, bias_dtype, transpose = problem
+    rng = np.random.default_rng(m * k + n)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _rand(rng, (m, k), lhs_dtype), _rand(rng, (g_local, k, n), rhs_dtype)
+    bias = None if bias_dtype is None else _rand(rng, (g_local, n), bias_dtype)
+    out_dtype = jnp.promote_types(lhs_dtype, rhs_dtype)
+    ct = _rand(rng, (m, n), out_dtype)
+    w = jnp.swapaxes(rhs, 1, 2) if transpose else rhs
+
+    def ours(a, b, c):
+        return ragged_dot(
+            a, b, gs, group_offset=offset, bias=c, transpose_rhs=transpose, interpret=True
+        )
+
+    def ref(a, b, c):
+        return ragged_dot_reference(a, b, gs, offset, bias=c)
+
+    out, vjp = jax.vjp(ours, lhs, w, bias)
+    d_lhs, d_w, d_bias = vjp(ct)
+    assert out.dtype == out_dtype and d_lhs.dtype == lhs_dtype and d_w.dtype == rhs_dtype
+    d_rhs = jnp.swapaxes(d_w, 1, 2) if transpose else d_w
+    f32 = lambda *xs: [None if x is None else _f32(x) for x in xs]  # noqa: E731
+    absf = lambda *xs: [None if x is None else _abs32(x) for x in xs]  # noqa: E731
+    want_out, want_vjp = jax.vjp(ref, *f32(lhs, rhs, bias))
+    mag_out, mag_vjp = jax.vjp(ref, *absf(lhs, rhs, bias))
+    # One bf16 rounding of an MXU operand (lhs to rhs's bf16 in the forward, the
+    # cotangent to lhs's dtype in the backward) on top of each output rounding.
+    tol = dict(dtype=jnp.bfloat16, roundings=1)
+    assert_close(out, want_out, magnitude=mag_out, what="out", **tol)
+    names = ("d_lhs", "d_rhs", "d_bias")
+    for name, got, w_, mag in zip(
+        names, (d_lhs, d_rhs, d_bias), want_vjp(_f32(ct)), mag_vjp(_abs32(ct))
+    ):
+        if got is None:
+            assert bias is None and name == "d_bias"
+            continue
+        assert_close(got, w_, magnitude=mag, what=name, **tol)
+    # Rows outside this shard's groups, with or without a bias: exactly zero.
+    ends = np.cumsum(sizes)
+    lo, hi = (ends[offset - 1] if offset else 0), ends[offset + g_local - 1]
+    assert not np.asarray(out[:lo], np.float32).any() and not np.asarray(out[hi:], np.float32).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tgmm_matches_reference_with_empty_groups(dtype):
     rng = np.random.default_rng(1)
@@ -376,7 +439,9 @@ def _args(**kw):
         (dict(lhs=jnp.zeros((8, 16, 1), jnp.bfloat16)), "lhs: expected a 2-D"),
         (dict(rhs=jnp.zeros((16, 32), jnp.bfloat16)), "rhs: expected a 3-D"),
         (dict(rhs=jnp.zeros((4, 17, 32), jnp.bfloat16)), "rhs: expected shape .*K=16"),
-        (dict(rhs=jnp.zeros((4, 16, 32), jnp.float32)), "rhs.dtype: expected the dtype of lhs"),
+        (dict(rhs=jnp.zeros((4, 16, 32), jnp.float16)), "rhs.dtype: expected bfloat16 or"),
+        (dict(bias=jnp.zeros((4, 16), jnp.float32)), r"bias: expected shape \(4, 32\)"),
+        (dict(bias=jnp.zeros((4, 32), jnp.int32)), "bias.dtype: expected bfloat16 or float32"),
         (
             dict(lhs=jnp.zeros((8, 16), jnp.float16), rhs=jnp.zeros((4, 16, 32), jnp.float16)),
             "lhs.dtype: expected bfloat16 or float32",

@@ -110,6 +110,42 @@ def test_torch_compile_fullgraph():
     assert torch.all(grads[0][8:] == 0)
 
 
+def test_mixed_dtypes_and_group_bias_with_grads():
+    """bf16 activations, f32 weights and a per-group bf16 bias (the op's whole
+    differentiable surface) against a torch loop in f32."""
+    gen = torch.Generator().manual_seed(5)
+    lhs = torch.randn(14, 32, generator=gen).bfloat16().requires_grad_()
+    rhs = torch.randn(3, 24, 32, generator=gen).requires_grad_()  # [G, N, K]
+    bias = torch.randn(3, 24, generator=gen).bfloat16().requires_grad_()
+    sizes = [4, 0, 7]  # 3 rows past the sum: no bias there
+    dy = torch.randn(14, 24, generator=gen)
+    with cpu_impl("interpret"):
+        out = ragged_dot_tpu.ragged_dot(
+            lhs, rhs, torch.tensor(sizes), transpose_rhs=True, bias=bias
+        )
+        grads = torch.autograd.grad(out, (lhs, rhs, bias), dy)
+    assert out.dtype == torch.float32
+
+    def ref(a, b, c):
+        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
+        y = ragged_dot_torch(a, b.transpose(1, 2), torch.tensor(sizes))
+        return y + torch.cat([c[rows], c.new_zeros(3, 24)])
+
+    leaves = [t.detach().float().requires_grad_() for t in (lhs, rhs, bias)]
+    want = ref(*leaves)
+    want_grads = torch.autograd.grad(want, leaves, dy)
+    # Magnitudes: the same function and vjp on absolute values.
+    abs_leaves = [t.detach().abs().requires_grad_() for t in leaves]
+    mag = ref(*abs_leaves)
+    mag_grads = torch.autograd.grad(mag, abs_leaves, dy.abs())
+    # lhs bf16 times f32 weights runs the MXU in f32; the cotangent is rounded
+    # to lhs's bf16 once for both weight gradients (tests/tolerances.py).
+    assert_close(out, want.detach(), magnitude=mag.detach(), what="out")
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    for name, got, w, m in zip(("d_lhs", "d_rhs", "d_bias"), grads, want_grads, mag_grads):
+        assert_close(got, w, dtype=torch.bfloat16, roundings=1, magnitude=m, what=name)
+
+
 BAD = [
     (lambda l, r, g: (l, r, g[:1]), r"group_sizes: expected length >= rhs.shape\[0\] = 2"),
     (
@@ -129,8 +165,8 @@ BAD = [
         r"rhs: expected shape \[G, K=16, N\] to match lhs \[M, K\], got \(2, 5, 4\)",
     ),
     (
-        lambda l, r, g: (l, r.bfloat16(), g),
-        r"rhs.dtype: expected the dtype of lhs \(float32\), got bfloat16",
+        lambda l, r, g: (l, r.half(), g),
+        r"rhs.dtype: expected bfloat16 or float32, or int8 / float8_e4m3fn with scales",
     ),
     (
         lambda l, r, g: (l.half(), r.half(), g),

@@ -63,12 +63,37 @@ def _kernel_scale(rhs_scale, swapped, channel_axis):
     return s.reshape(s.shape[0], -1), "block"
 
 
+def _row_groups(group_sizes, group_offset, m, num_local):
+    """(local group of each of m rows clipped to [0, num_local), whether the row
+    belongs to a local group): rows past the sum and other shards' rows do not."""
+    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
+    local = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right") - group_offset
+    valid = jnp.logical_and(local >= 0, local < num_local)
+    return jnp.clip(local, 0, num_local - 1), valid
+
+
+def _add_bias(out, bias, group_sizes, group_offset, out_dtype):
+    """out (f32) + bias[g] on group g's rows, rounded once to out_dtype. Plain
+    XLA after the kernel: XLA fuses the gather of bias rows into the add."""
+    local, valid = _row_groups(group_sizes, group_offset, out.shape[0], bias.shape[0])
+    rows = jnp.where(valid[:, None], bias[local].astype(jnp.float32), 0.0)
+    return (out.astype(jnp.float32) + rows).astype(out_dtype)
+
+
+def _bias_grad(grad, bias, group_sizes, group_offset):
+    """Sum of the output cotangent over each local group's rows, in f32."""
+    local, valid = _row_groups(group_sizes, group_offset, grad.shape[0], bias.shape[0])
+    g = jnp.where(valid[:, None], grad.astype(jnp.float32), 0.0)
+    return jax.ops.segment_sum(g, local, num_segments=bias.shape[0]).astype(bias.dtype)
+
+
 def ragged_dot_fwd(
     lhs,
     rhs,
     group_sizes,
     group_offset,
     rhs_scale,
+    bias,
     *,
     transpose_rhs,
     preferred_element_type,
@@ -79,6 +104,7 @@ def ragged_dot_fwd(
     fwd, _, _ = _configs(config)
     rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
     scale, scale_axis = _kernel_scale(rhs_scale, swapped, "n")
+    out_dtype = preferred_element_type or _out_dtype(lhs, rhs)
     out = gmm(
         lhs,
         rhs,
@@ -87,20 +113,25 @@ def ragged_dot_fwd(
         rhs_scale=scale,
         scale_axis=scale_axis,
         transpose_rhs=transpose_rhs,
-        preferred_element_type=preferred_element_type,
+        # With a bias the sum is rounded once, after the bias is added.
+        preferred_element_type=out_dtype if bias is None else jnp.float32,
         config=fwd,
         interpret=interpret,
     )
+    if bias is not None:
+        out = _add_bias(out, bias, group_sizes, group_offset, out_dtype)
     return out, ()
 
 
 def ragged_dot_bwd(
     args, out, residuals, grad, *, transpose_rhs, preferred_element_type, config, interpret
 ):
-    """Backward rule: (d_lhs, d_rhs, None, None, None) from the inputs and the
-    output cotangent. Quantized weights are frozen: d_rhs and d_scale are None."""
-    lhs, rhs, group_sizes, group_offset, rhs_scale = args
+    """Backward rule: (d_lhs, d_rhs, None, None, None, d_bias) from the inputs
+    and the output cotangent. Quantized weights are frozen: d_rhs and d_scale
+    are None."""
+    lhs, rhs, group_sizes, group_offset, rhs_scale, bias = args
     _, cfg_lhs, cfg_rhs = _configs(config)
+    d_bias = None if bias is None else _bias_grad(grad, bias, group_sizes, group_offset)
     rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
     # The MXU runs in the inputs' dtype: a wider cotangent (f32 output of bf16
     # inputs) is rounded once, here, whichever operand of tgmm it becomes.
@@ -123,7 +154,7 @@ def ragged_dot_bwd(
         interpret=interpret,
     )
     if rhs_scale is not None:  # quantized weights are frozen
-        return d_lhs, None, None, None, None
+        return d_lhs, None, None, None, None, d_bias
     if transpose_rhs:
         d_rhs = tgmm(
             grad,
@@ -148,10 +179,17 @@ def ragged_dot_bwd(
         )
     if swapped:
         d_rhs = jnp.swapaxes(d_rhs, 1, 2)
-    return d_lhs, d_rhs, None, None, None
+    return d_lhs, d_rhs, None, None, None, d_bias
 
 
 _ragged_dot = differentiable(ragged_dot_fwd, ragged_dot_bwd)
+
+
+def _out_dtype(lhs, rhs):
+    """The default output dtype: lhs's for quantized rhs, else the wider of the two."""
+    if tiling.is_quantized(rhs.dtype):
+        return jnp.dtype(lhs.dtype)
+    return jnp.promote_types(lhs.dtype, rhs.dtype)
 
 
 def ragged_dot(
@@ -161,18 +199,21 @@ def ragged_dot(
     *,
     group_offset=0,
     rhs_scale=None,
+    bias=None,
     preferred_element_type=None,
     config=None,
     interpret=False,
     transpose_rhs=False,
 ):
-    """``jax.lax.ragged_dot`` on TPU, differentiable in lhs and rhs.
+    """``jax.lax.ragged_dot`` on TPU, differentiable in lhs, rhs and bias.
 
     Args:
       lhs: [M, K] bfloat16 or float32, rows sorted by group.
-      rhs: [G_local, K, N], same dtype as lhs ([G_local, N, K] with
+      rhs: [G_local, K, N] bfloat16 or float32 ([G_local, N, K] with
         transpose_rhs: torch-style Linear weights, used without a copy); or
-        weight-only quantized, int8 or float8_e4m3fn, with rhs_scale.
+        weight-only quantized, int8 or float8_e4m3fn, with rhs_scale. The MXU
+        runs in rhs's dtype (lhs is cast to it, as megablox does); quantized
+        rhs is widened to lhs's dtype instead.
       rhs_scale: with quantized rhs, [G_local, N] float32 (or bfloat16)
         per-output-channel scales: the weights are rhs[g, :, n] * rhs_scale[g, n];
         or 128 x 128 block scales [G_local, A/128, B/128] in rhs's own axis
@@ -180,13 +221,15 @@ def ragged_dot(
         `weight_scale_inv` for transpose_rhs): rhs[g, a, b] * rhs_scale[g, a//128, b//128].
         Quantized weights and their scales are frozen: they get no gradient
         (zeros), lhs does.
+      bias: [G_local, N] bfloat16 or float32, or None: bias[g] is added to the
+        rows of group g (in f32, before the one rounding to the output dtype).
       group_sizes: integer [G] (int32; uint32 / int64 are cast), G >= G_local.
         Rows past sum(group_sizes) come out
         zero (and get zero gradient).
       group_offset: first group this shard holds (expert parallelism); rows of
         other groups come out zero. A Python int or an int32 scalar.
-      preferred_element_type: output dtype (default lhs dtype); accumulation is
-        always f32.
+      preferred_element_type: output dtype (default: the wider of lhs's and
+        rhs's dtypes; lhs's for quantized rhs); accumulation is always f32.
       config: None (detect the TPU generation), a generation name ("v5e",
         "v6e", "tpu7x"), or a tiling.RaggedDotConfig.
       interpret: run the Pallas kernels in interpret mode (CPU testing).
@@ -203,6 +246,7 @@ def ragged_dot(
         preferred_element_type,
         transpose_rhs=transpose_rhs,
         rhs_scale=rhs_scale,
+        bias=bias,
     )
     _configs(config)
     if preferred_element_type is not None:
@@ -215,6 +259,7 @@ def ragged_dot(
         group_sizes,
         group_offset,
         rhs_scale,
+        bias,
         transpose_rhs=bool(transpose_rhs),
         preferred_element_type=preferred_element_type,
         config=config,
@@ -267,6 +312,7 @@ def _moe_program(
             group_sizes,
             zero,
             scales[which],
+            None,
             transpose_rhs=not is_transposed,
             preferred_element_type=None,
             config=configs[which],

@@ -86,11 +86,14 @@ def check_ragged_dot_args(
     *,
     transpose_rhs=False,
     rhs_scale=None,
+    bias=None,
 ) -> None:
     """Raises ValueError naming the argument when shapes or dtypes are wrong.
 
-    lhs [M, K] and rhs [G_local, K, N] share a dtype (bfloat16 or float32), or
-    rhs is int8/float8_e4m3fn with rhs_scale [G_local, N] (float32/bfloat16);
+    lhs [M, K] and rhs [G_local, K, N] are bfloat16 or float32 (not
+    necessarily the same), or rhs is int8/float8_e4m3fn with rhs_scale
+    [G_local, N] or 128 x 128 block scales (float32/bfloat16); bias, if any,
+    is [G_local, N] bfloat16/float32;
     group_sizes is integer (read as int32) [G] with G >= G_local; group_offset is an integer
     scalar, and when static, 0 <= group_offset <= G - G_local. With
     transpose_rhs, rhs is [G_local, N, K].
@@ -103,11 +106,15 @@ def check_ragged_dot_args(
             f"rhs: expected a 3-D array {rhs_layout}, got shape {tuple(np.shape(rhs))}"
         )
     check_dtype("lhs.dtype", lhs.dtype)
-    check_weight_scale("rhs", rhs, rhs_scale, rhs.shape[1 if transpose_rhs else 2], "rhs_scale")
-    if not tiling.is_quantized(rhs.dtype) and jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
-        raise ValueError(
-            f"rhs.dtype: expected the dtype of lhs ({_dtype_name(lhs)}), got {_dtype_name(rhs)}"
-        )
+    n = rhs.shape[1 if transpose_rhs else 2]
+    check_weight_scale("rhs", rhs, rhs_scale, n, "rhs_scale")
+    if bias is not None:
+        if tuple(np.shape(bias)) != (rhs.shape[0], n):
+            raise ValueError(
+                f"bias: expected shape ({rhs.shape[0]}, {n}) (one row per group held in rhs),"
+                f" got {tuple(np.shape(bias))}"
+            )
+        check_dtype("bias.dtype", bias.dtype)
     k_axis = 2 if transpose_rhs else 1
     if lhs.shape[1] != rhs.shape[k_axis]:
         want = rhs_layout.replace("K", f"K={lhs.shape[1]}")

@@ -23,7 +23,7 @@ LIB = OpLibrary("ragged_dot_tpu", Path(__file__).parent)
 
 
 def _rd_statics(args, interpret):
-    _, _, _, _, transpose_rhs, out_dtype, _ = args
+    _, _, _, _, transpose_rhs, out_dtype, _, _ = args
     return dict(
         transpose_rhs=transpose_rhs,
         preferred_element_type=jnp.dtype(out_dtype) if out_dtype else None,
@@ -33,8 +33,8 @@ def _rd_statics(args, interpret):
 
 
 def _rd_arrays(args):
-    lhs, rhs, group_sizes, group_offset, _, _, rhs_scale = args
-    return lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32), rhs_scale
+    lhs, rhs, group_sizes, group_offset, _, _, rhs_scale, bias = args
+    return lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32), rhs_scale, bias
 
 
 def _rd_forward(*args, interpret):
@@ -42,23 +42,29 @@ def _rd_forward(*args, interpret):
 
 
 def _rd_backward(args, out, residuals, grad, *, interpret):
-    d_lhs, d_rhs, _, _, _ = api.ragged_dot_bwd(
+    d_lhs, d_rhs, _, _, _, d_bias = api.ragged_dot_bwd(
         _rd_arrays(args), out, residuals, grad, **_rd_statics(args, interpret)
     )
-    return d_lhs, d_rhs
+    return d_lhs, d_rhs, d_bias
 
 
-def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale):
+def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale, bias):
     if transpose_rhs:
         rhs, rhs_scale = reference.as_kn(rhs, rhs_scale)
     return reference.ragged_dot_reference(
-        lhs, rhs, group_sizes, group_offset, out_dtype or None, rhs_scale=rhs_scale
+        lhs, rhs, group_sizes, group_offset, out_dtype or None, rhs_scale=rhs_scale, bias=bias
     )
 
 
-def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale):
+def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale, bias):
     checks.check_ragged_dot_args(
-        lhs, rhs, group_sizes, group_offset, transpose_rhs=transpose_rhs, rhs_scale=rhs_scale
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        transpose_rhs=transpose_rhs,
+        rhs_scale=rhs_scale,
+        bias=bias,
     )
     if out_dtype:
         checks.check_dtype("out_dtype", out_dtype)
@@ -67,11 +73,11 @@ def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs
 _ragged_dot = LIB.define_differentiable(
     "ragged_dot",
     "(Tensor lhs, Tensor rhs, Tensor group_sizes, int group_offset, bool transpose_rhs, str out_dtype, "
-    "Tensor? rhs_scale) -> Tensor",
+    "Tensor? rhs_scale, Tensor? bias) -> Tensor",
     forward=_rd_forward,
     backward=_rd_backward,
     reference=_rd_reference,
-    differentiable=("lhs", "rhs"),
+    differentiable=("lhs", "rhs", "bias"),
     check=_rd_check,
 )
 
@@ -162,6 +168,7 @@ def ragged_dot(
     transpose_rhs: bool = False,
     out_dtype: torch.dtype | None = None,
     rhs_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`jax.lax.ragged_dot` for torch: rows of group g times rhs[g].
 
@@ -169,13 +176,20 @@ def ragged_dot(
     weights); group_sizes int32/int64 [G_total] with G_total >= G (rows are
     the consecutive blocks of each group; rows past sum(group_sizes) come out
     zero). group_offset: first group held in rhs (expert parallelism; rows of
-    other groups come out zero). bfloat16 or float32, f32 accumulation.
+    other groups come out zero). bfloat16 or float32 (lhs and rhs may differ:
+    the MXU runs in rhs's dtype, the output defaults to the wider), f32
+    accumulation. bias [G, N]: bias[g] is added to group g's rows.
     Weight-only quantized rhs (int8, float8_e4m3fn) takes rhs_scale: [G, N]
     per output channel, or [G, A/128, B/128] per 128 x 128 block of rhs
     [G, A, B]; such weights and scales are frozen (no gradient).
     """
     validate.check_tensors(
-        ("rhs_scale",), lhs=lhs, rhs=rhs, group_sizes=group_sizes, rhs_scale=rhs_scale
+        ("rhs_scale", "bias"),
+        lhs=lhs,
+        rhs=rhs,
+        group_sizes=group_sizes,
+        rhs_scale=rhs_scale,
+        bias=bias,
     )
     name = "" if out_dtype is None else str(out_dtype).removeprefix("torch.")
     args = (
@@ -186,6 +200,7 @@ def ragged_dot(
         bool(transpose_rhs),
         name,
         rhs_scale,
+        bias,
     )
     _check_group_sizes(*args)
     return _ragged_dot(*args)

@@ -62,7 +62,7 @@ def as_kn(rhs, rhs_scale=None):
 
 
 def ragged_dot_reference(
-    lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None, rhs_scale=None
+    lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None, rhs_scale=None, bias=None
 ):
     """ragged_dot with rows past the sum, and other shards' rows, exactly zero.
 
@@ -70,6 +70,7 @@ def ragged_dot_reference(
     len(group_sizes) groups; computed in f32 at HIGHEST precision. Quantized
     rhs (int8, float8_e4m3fn) is dequantized with rhs_scale in f32 first
     ([G, N] per channel or [G, K/128, N/128] per block, see `dequantize`).
+    bias [G_local, N]: bias[g] added to group g's rows, in f32.
     """
     if rhs_scale is not None:
         out_dtype = preferred_element_type or lhs.dtype
@@ -82,6 +83,16 @@ def ragged_dot_reference(
     full = lax.dynamic_update_slice(
         full, rhs.astype(jnp.float32), (jnp.asarray(group_offset, jnp.int32), 0, 0)
     )
+    if bias is not None:
+        # A ragged_dot against a ones column per group puts bias[g] on its rows.
+        full_bias = jnp.zeros((g_total, 1, rhs.shape[2]), jnp.float32)
+        full_bias = lax.dynamic_update_slice(
+            full_bias,
+            bias.astype(jnp.float32)[:, None, :],
+            (jnp.asarray(group_offset, jnp.int32), 0, 0),
+        )
+        full = jnp.concatenate([full, full_bias], axis=1)
+        lhs = jnp.concatenate([lhs.astype(jnp.float32), jnp.ones((m, 1), jnp.float32)], axis=1)
     out = lax.ragged_dot(
         lhs.astype(jnp.float32),
         full,
