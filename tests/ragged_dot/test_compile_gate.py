@@ -30,7 +30,7 @@ import pytest
 
 from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
 from ragged_dot_tpu import tiling
-from ragged_dot_tpu.api import moe_experts
+from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
 from ragged_dot_tpu.kernel_tgmm import tgmm
 
@@ -160,6 +160,8 @@ def gate_program(point) -> GateProgram:
         return _moe_layer_program(point[2], weight_dtype=point[1])
     if point[0] == "vmem_limit_at_estimate":
         return _vmem_estimate_program(point[1:])
+    if point[0] == "mixed":
+        return _mixed_program(point[1:])
     model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
@@ -189,11 +191,14 @@ QUANTIZED_TARGETS = [
     ("float8_e4m3fn", "v6e"),
     ("float8_e4m3fn", "tpu7x"),
 ]
+# Decode on every target; prefill (other blocks, several row tiles) once per
+# weight dtype, on the generation it is meant for.
 QUANTIZED_POINTS = [
     ("quantized", "qwen3_30b_a3b", proj, tokens, kernel, wdt, gen)
     for proj, tokens, kernel, (wdt, gen) in itertools.product(
         PROJECTIONS, [64, 8192], ["fwd", "d_lhs"], QUANTIZED_TARGETS
     )
+    if tokens == 64 or (wdt, gen) in (("int8", "v6e"), ("float8_e4m3fn", "tpu7x"))
 ] + [("quantized", "gpt_oss_20b", "down", 64, kernel, "int8", "v6e") for kernel in ("fwd", "d_lhs")]
 # 128 x 128 block scales (FP8 checkpoints), folded into the lhs rows per column block.
 QUANTIZED_POINTS += [
@@ -201,6 +206,7 @@ QUANTIZED_POINTS += [
     for proj, tokens, kernel, gen in itertools.product(
         PROJECTIONS, [64, 8192], ["fwd", "d_lhs"], ["v6e", "tpu7x"]
     )
+    if tokens == 64 or gen == "tpu7x"
 ]
 
 
@@ -218,6 +224,33 @@ def _quantized_program(point) -> GateProgram:
     fn = functools.partial(gmm, transpose_rhs=transpose, scale_axis=axis, config=generation)
     args = [spec((m, rows_k)), spec((e, n, k), jnp.dtype(wdt)), spec((e,), jnp.int32), scale]
     return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
+
+
+# lhs and rhs of different dtypes (the MXU runs in rhs's: f32 rows cast to bf16
+# in VMEM, or bf16 rows widened) with a per-group bias: forward and the three
+# gradients as one program, Qwen3 gate_up at 64 tokens, torch weight layout.
+MIXED_POINTS = [("mixed", "float32", "bfloat16", "v6e"), ("mixed", "bfloat16", "float32", "tpu7x")]
+
+
+def _mixed_program(point) -> GateProgram:
+    lhs_dtype, rhs_dtype, generation = point
+    e, top_k, k, n = _dims("qwen3_30b_a3b", "gate_up")
+    m = 64 * top_k
+
+    def fn(x, w, sizes, b):
+        def loss(x, w, b):
+            out = ragged_dot(x, w, sizes, bias=b, transpose_rhs=True, config=generation)
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+    args = [
+        spec((m, k), jnp.dtype(lhs_dtype)),
+        spec((e, n, k), jnp.dtype(rhs_dtype)),
+        spec((e,), jnp.int32),
+        spec((e, n), jnp.dtype(rhs_dtype)),
+    ]
+    return GateProgram(fn, args, generation)
 
 
 def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
@@ -349,6 +382,11 @@ def test_quantized_gmm_compiles(point, pool):
     ids=_id,
 )
 def test_quantized_moe_layer_fwd_and_grad_compile(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", MIXED_POINTS, ids=_id)
+def test_mixed_dtypes_with_bias_fwd_and_grads_compile(point, pool):
     pool.assert_ok(__file__, point)
 
 
