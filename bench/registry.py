@@ -326,9 +326,13 @@ def _xla_dense(point, generation, ctx) -> Built:
     return Built(moe.dense_layer, ("xla_dense",))
 
 
-def _tokamax(point, generation, ctx) -> Built:
+def _tokamax(point, generation, ctx, qdtype: str | None = None) -> Built:
     """tokamax.ragged_dot x2 with its Pallas TPU kernel forced (off a TPU it
-    would silently run XLA), config as tokamax picks it on `generation`."""
+    would silently run XLA), config as tokamax picks it on `generation`.
+
+    qdtype: weight-only quantized weights as tokamax takes them, qwix QArrays
+    with one scale per expert and output channel ([E, 1, N], bf16 so that the
+    output stays bf16), quantized as ours are (`_quantize`)."""
     from . import tracing
     from .baselines import tokamax_gmm as tk
 
@@ -350,7 +354,14 @@ def _tokamax(point, generation, ctx) -> Built:
         picked.append(tk.config_for(m, k, n, s.experts, dt, generation))
     ops = [tk.forced_op(cfg) for cfg, _ in picked]
 
-    def fn(x, w_gate_up, w_down, ids, weights):
+    def fn(x, w_gate_up, w_down, ids, weights, *scales):
+        if scales:
+            import qwix
+
+            w_gate_up, w_down = (
+                qwix.QArray(w, sc[:, None, :].astype(x.dtype))
+                for w, sc in zip((w_gate_up, w_down), scales)
+            )
         it = iter(ops)  # gate_up first, then down
 
         def gmm(lhs, rhs, sizes):
@@ -371,8 +382,21 @@ def _tokamax(point, generation, ctx) -> Built:
             f"rows padded {rows} -> {m}: the Pallas kernel rejects M < "
             f"{tk.MIN_ROWS}; unpadded, tokamax.ragged_dot falls back to XLA"
         )
+    adapt_args = None
+    if qdtype is not None:
+        notes.append(f"{qdtype} weights as qwix QArrays, per-output-channel scales [E, 1, N]")
+
+        def adapt_args(x, w_gate_up, w_down, ids, weights):
+            gu, gu_s = _quantize(w_gate_up, qdtype, blocks=False)
+            dn, dn_s = _quantize(w_down, qdtype, blocks=False)
+            return x, gu, dn, ids, weights, gu_s, dn_s
+
     return Built(
-        fn, ("tokamax_ragged_dot", tiles, m), notes=tuple(notes), glue_key=("experts_layer", m)
+        fn,
+        ("tokamax_ragged_dot", tiles, m, qdtype),
+        notes=tuple(notes),
+        glue_key=("experts_layer", m) + ((qdtype,) if qdtype else ()),
+        adapt_args=adapt_args,
     )
 
 
@@ -487,6 +511,15 @@ register(
         "tokamax 0.0.12 ragged_dot x2, Pallas Mosaic TPU kernel forced "
         "(gmm_megablox in an emit_pipeline), tokamax's config for the generation",
         _tokamax,
+    )
+)
+register(
+    Impl(
+        "tokamax_ragged_dot_int8",
+        "moe",
+        "tokamax 0.0.12 ragged_dot x2 as tokamax_ragged_dot, weight-only int8 (qwix "
+        "QArray, per-output-channel scales)",
+        functools.partial(_tokamax, qdtype="int8"),
     )
 )
 

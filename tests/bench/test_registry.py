@@ -120,6 +120,26 @@ def test_tokamax_runs_its_pallas_kernel_not_xla():
     assert [l.name for l in launches] == ["gmm_megablox", "gmm_megablox"]
 
 
+def test_tokamax_int8_peer_runs_quantized_weights_in_its_pallas_kernel():
+    """The quantized peer: int8 QArrays reach tokamax's Pallas kernel (not a
+    dequantized copy through XLA) and compute the layer within int8's
+    quantization error."""
+    pytest.importorskip("tokamax")
+    point = moe.MoePoint(TINY, 8, "zipf")
+    built, out = _run("tokamax_ragged_dot_int8", point)
+    _close(out, moe_reference(*point.real_args()), rel=5e-2)
+    args = registry.program_args(built, point.compile_args())
+    assert [a.dtype for a in args[1:3]] == [jnp.int8, jnp.int8]
+    launches = tracing.trace_launches(built.fn, *args)
+    assert [l.name for l in launches] == ["gmm_megablox", "gmm_megablox"]
+    for launch, shape in zip(launches, [(4, 256, 256), (4, 128, 256)]):
+        # The int8 weights themselves are a kernel operand: no dequantized copy.
+        assert any(
+            getattr(o, "shape", None) == shape and getattr(o, "dtype", None) == jnp.int8
+            for o in launch.operands
+        ), [(getattr(o, "shape", None), getattr(o, "dtype", None)) for o in launch.operands]
+
+
 def attention_reference(q, k, v):
     q, k, v = map(_f64, (q, k, v))
     rep = q.shape[1] // k.shape[1]
