@@ -39,7 +39,7 @@ def meta_call(jax_op, *args):
 #
 # Compiling for a TPU is one libtpu compile per program, single-threaded and
 # seconds long (Mosaic lowers and allocates every kernel), so a gate module
-# hands its whole matrix to a pool of worker processes (one per core) when its
+# hands its whole matrix to a pool of worker processes (one per spare core) when its
 # first test asks, and each test waits for its own point. Points are built
 # inside the worker by the test module's `gate_program(point)`, which returns a
 # GateProgram. One that names a `covered_by` point is first traced against that
@@ -250,14 +250,21 @@ def _run_point(module_file: str, point) -> PointResult:
 class CompilePool:
     """Compiles (module_file, point) pairs in worker processes, in the given order.
 
-    workers: GATE_WORKERS, else one per CPU core (at most 4).
+    workers: GATE_WORKERS, else one per CPU core but one (at least one, at most
+    4): the numeric tests in the main process are the suite's longest serial
+    chain, and a third process on a 2-core machine starved it (34 min with two
+    workers; the gate itself needs about 25 CPU-minutes).
     """
 
     def __init__(self, keyed_points: Sequence[tuple[str, Any]], workers: int | None = None):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        n = workers or int(os.environ.get("GATE_WORKERS", 0)) or min(4, os.cpu_count() or 1)
+        n = (
+            workers
+            or int(os.environ.get("GATE_WORKERS", 0))
+            or max(1, min(4, (os.cpu_count() or 1) - 1))
+        )
         self.started = time.monotonic()
         self.pool = ProcessPoolExecutor(
             n,
@@ -323,7 +330,7 @@ class CompilePool:
 
 
 # One pool per session, started by conftest.py as soon as collection ends, so
-# the gate compiles on every core while the numeric tests still run; the gate
+# the gate compiles on the spare cores while the numeric tests still run; the gate
 # modules themselves are ordered last.
 _SESSION_POOL: CompilePool | None = None
 
