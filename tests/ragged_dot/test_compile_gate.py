@@ -366,7 +366,8 @@ def test_every_kernel_compiles_on_every_generation():
     assert all(c not in COVERS for c in COVERS.values())  # a cover compiles itself
 
 
-@pytest.mark.parametrize("point", [("moe_layer", g) for g in GENERATIONS], ids=_id)
+# v6e and tpu7x: v5e's kernels at these shapes compile in the matrix above (26 CPU-s saved).
+@pytest.mark.parametrize("point", [("moe_layer", g) for g in ("v6e", "tpu7x")], ids=_id)
 def test_whole_moe_layer_fwd_and_grad_compile(point, pool):
     pool.assert_ok(__file__, point)
 

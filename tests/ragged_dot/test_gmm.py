@@ -132,7 +132,7 @@ def _check_fwd_bwd(out, d_lhs, d_rhs, lhs, rhs, ct, gs, group_offset=0):
 # zero and never fetched), and an N split into slabs.
 @example((jnp.bfloat16, 100, 40, 256, [30, 0, 7, 12], _small_config(jnp.bfloat16, 40, 256), 1))
 @example((jnp.float32, 64, 136, 256, [0, 20, 3], _small_config(jnp.float32, 136, 256, 2), 2))
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(problems())
 def test_ragged_dot_fwd_and_grads_match_references(problem):
     dtype, m, k, n, sizes, cfg, seed = problem
@@ -216,7 +216,7 @@ def mixed_problems(draw):
 # bias; both against the f32 reference, which adds the bias as one more
 # contraction term (a ones column), not by gathering rows as ragged_dot does.
 @example((jnp.bfloat16, jnp.float32, 24, 128, 50, [5, 0, 12, 4], 2, 1, jnp.float32, True))
-@settings(max_examples=3, deadline=None, derandomize=True)
+@settings(max_examples=2, deadline=None, derandomize=True)
 @given(mixed_problems())
 def test_mixed_dtypes_and_group_bias_match_reference(problem):
     lhs_dtype, rhs_dtype, m, k, n, sizes, g_local, offset, bias_dtype, transpose = problem
@@ -277,7 +277,8 @@ def test_tgmm_matches_reference_with_empty_groups(dtype):
     assert not np.asarray(out[1], np.float32).any() and not np.asarray(out[3], np.float32).any()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bf16 only: f32 (and mixed) shards are drawn by test_mixed_dtypes_and_group_bias_match_reference.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16])
 def test_group_offset_shards_sum_to_full_result(dtype):
     rng = np.random.default_rng(2)
     m, k, n, sizes = 40, 48, 136, [6, 0, 11, 9, 0, 10]
