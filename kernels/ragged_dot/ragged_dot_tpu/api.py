@@ -104,7 +104,7 @@ def ragged_dot_fwd(
     fwd, _, _ = _configs(config)
     rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
     scale, scale_axis = _kernel_scale(rhs_scale, swapped, "n")
-    out_dtype = preferred_element_type or _out_dtype(lhs, rhs)
+    out_dtype = preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype)
     out = gmm(
         lhs,
         rhs,
@@ -183,13 +183,6 @@ def ragged_dot_bwd(
 
 
 _ragged_dot = differentiable(ragged_dot_fwd, ragged_dot_bwd)
-
-
-def _out_dtype(lhs, rhs):
-    """The default output dtype: lhs's for quantized rhs, else the wider of the two."""
-    if tiling.is_quantized(rhs.dtype):
-        return jnp.dtype(lhs.dtype)
-    return jnp.promote_types(lhs.dtype, rhs.dtype)
 
 
 def ragged_dot(

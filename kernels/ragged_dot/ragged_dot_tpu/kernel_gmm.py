@@ -523,11 +523,10 @@ def gmm(
                     f" {scale_axis!r}, got {tuple(rhs_scale.shape)}"
                 )
         rhs_scale = rhs_scale.astype(jnp.float32)
-        out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
         compute_dtype = lhs.dtype
     else:
-        out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
         compute_dtype = rhs.dtype
+    out_dtype = jnp.dtype(preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype))
     if m == 0 or n == 0 or k == 0 or num_local == 0 or num_groups == 0:
         out = jnp.zeros((m, n), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out

@@ -21,7 +21,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, moe
+from . import checks, moe, tiling
 
 
 def tolerance(dtype, k: int = 128, scale: float = 1.0) -> dict:
@@ -72,10 +72,7 @@ def ragged_dot_reference(
     ([G, N] per channel or [G, K/128, N/128] per block, see `dequantize`).
     bias [G_local, N]: bias[g] added to group g's rows, in f32.
     """
-    if rhs_scale is not None:
-        out_dtype = preferred_element_type or lhs.dtype
-    else:
-        out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    out_dtype = preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype)
     rhs = dequantize(rhs, rhs_scale)
     g_total, g_local = group_sizes.shape[0], rhs.shape[0]
     m = lhs.shape[0]

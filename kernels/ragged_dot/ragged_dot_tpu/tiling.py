@@ -76,6 +76,14 @@ def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in QUANTIZED_DTYPES
 
 
+def default_out_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
+    """ragged_dot's output dtype when none is asked for: the activations' for
+    quantized weights, else the wider of the two (bf16 x f32 gives f32)."""
+    if is_quantized(rhs_dtype):
+        return jnp.dtype(lhs_dtype)
+    return jnp.promote_types(lhs_dtype, rhs_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
     name: str
