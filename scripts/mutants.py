@@ -73,6 +73,7 @@ T_RMS_OP = "tests/rmsnorm/test_torch_op.py"
 T_GMM = "tests/ragged_dot/test_gmm.py"
 T_RD_OP = "tests/ragged_dot/test_torch_op.py"
 T_QUANT = "tests/ragged_dot/test_quantized.py"
+T_ROUTE = "tests/ragged_dot/test_routing.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
 T_EXP = "tests/ragged_dot/test_experts.py"
 T_FA = "tests/flash_attention/test_flash_attention.py"
@@ -290,6 +291,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         (f"{T_GMM}::test_bf16_inputs_with_f32_output_and_grads",),
         "ragged_dot backward: an f32 cotangent of bf16 inputs not rounded once for the MXU",
+    ),
+    Mutant(
+        "moe-route-weights-one-term",
+        MOE,
+        "    res = _exact_dot(hi, clean) + _exact_dot(lo, clean)\n",
+        "    res = _exact_dot(hi, clean)\n",
+        (f"{T_ROUTE}::test_combine_matches_f64_forward_and_backward",),
+        "routing by matmul: the f32 routing weights rounded to one bf16 term",
+    ),
+    Mutant(
+        "moe-route-non-finite-spreads",
+        MOE,
+        "    return jnp.where(nonfinite > 0, jnp.nan, res)\n",
+        "    return res\n",
+        (f"{T_ROUTE}::test_combine_keeps_non_finite_rows_to_their_token",),
+        "routing by matmul: a non-finite expert row zeroed instead of kept with its token",
     ),
     Mutant(
         "moe-interleave",

@@ -21,14 +21,33 @@ Why it looks like this
   are not counted in ``group_sizes`` (so the kernels never compute or fetch
   anything for them; their rows come out zero), and are masked out of the
   output and of the router-weight gradient, as transformers does.
+* Routing by matmul at decode (``tiling.route_by_matmul``): XLA's TPU gather
+  reads a whole (8, 128) tile per gathered row of a bf16 array, so the
+  dispatch gather and the combine gather of the layer cost ~8x the bytes they
+  move (at Qwen3 512 tokens 190 of the layer's 214 us of XLA time on v6e).
+  Up to a few hundred tokens a one-hot matmul moves the same rows for less
+  (its flops grow as tokens^2): dispatch = onehot [S, T] @ hidden, combine =
+  routing-weight matrix [T, S] @ out. Every product has one nonzero term per
+  output element, so both are exact in bf16 with f32 accumulation; the f32
+  routing weights are split into two bf16 terms (16 bits of mantissa, vs
+  transformers' f32 product, i.e. the output's bf16 rounding sees a relative
+  change of at most 2^-16). A matmul would let 0 * inf spread one token's
+  non-finite values to the whole batch, so non-finite inputs are zeroed
+  before the products and the elements the gather path would make
+  non-finite are set to NaN afterwards (``combine_by_matmul``): no token's
+  output ever depends on another token's values.
 * Differentiable end to end: the ragged_dots carry custom_vjps, the rest is
-  plain JAX (gathers, sort permutation, activation).
+  plain JAX (gathers or one-hot matmuls, sort permutation, activation).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from . import tiling
 
 
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "gpt_oss")
@@ -81,7 +100,10 @@ def experts_program(
     group_offset,
     alpha,
     limit,
+    routing="auto",
 ):
+    """routing: "auto" (tiling.route_by_matmul decides) or "gather" (always
+    gathers: the reference's choice)."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     # Projections come out in the weights' dtype, as in transformers; quantized
@@ -94,7 +116,14 @@ def experts_program(
     key_sorted = key[order]
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
     group_sizes = group_sizes[:num_experts]
-    x = hidden[order // k].astype(dtype)
+    by_matmul = routing == "auto" and tiling.route_by_matmul(t, hidden.dtype, dtype)
+    tok_sorted = order // k
+    if by_matmul:
+        # Non-finite hidden values are zeroed here and restored as NaN at the end.
+        onehot = _slots_of(tok_sorted, t).T.astype(dtype)  # [S, T]
+        x = _exact_dot(onehot, jnp.where(jnp.isfinite(hidden), hidden, 0)).astype(dtype)
+    else:
+        x = hidden[tok_sorted].astype(dtype)
 
     proj = matmul(x, gate_up, group_sizes, "up")
     ids_clamped = jnp.minimum(key_sorted, num_experts - 1)
@@ -118,12 +147,74 @@ def experts_program(
     out = matmul(act, down, group_sizes, "down")
     if down_bias is not None:
         out = out + down_bias[ids_clamped].astype(out.dtype)
+    w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.float32), 0.0)
+    if by_matmul:
+        # A token's output is non-finite where the gather path's would be: the
+        # whole row if its hidden state is and one of its slots is local, else
+        # the columns where one of its local slots' rows is.
+        bad = jnp.logical_and(
+            ~jnp.all(jnp.isfinite(hidden), axis=1), valid.reshape(t, k).any(axis=1)
+        )
+        res = combine_by_matmul(out, tok_sorted, w[order], valid[order], t)
+        res = jnp.where(bad[:, None], jnp.nan, res)
+        return res.astype(hidden.dtype)
     # Combine in (token, slot) order: gather each pair's row of `out` in the
     # weights' dtype, then weight and sum over k in f32 in the same fusion. An
     # f32 [S, H] weighted copy in sorted order, gathered afterwards, costs two
     # more passes over the largest array of the layer (2 ms at 8k-token prefill).
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     rows = jnp.take(out, inv, axis=0, unique_indices=True, mode="clip")
-    w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.float32), 0.0)
     weighted = jnp.where(valid[:, None], rows.astype(jnp.float32), 0.0) * w[:, None]
     return weighted.reshape(t, k, h).sum(axis=1).astype(hidden.dtype)
+
+
+def _exact_dot(a, b):
+    # HIGHEST: f32 operands (the backward's cotangents) would be rounded to bf16
+    # by the TPU's default precision (not by the CPU's).
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+
+def _slots_of(tok_sorted, t):
+    return tok_sorted[None, :] == jnp.arange(t, dtype=tok_sorted.dtype)[:, None]  # [T, S]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def combine_by_matmul(out, tok_sorted, w_sorted, valid_sorted, t):
+    """[S, H] rows in sorted order -> [T, H] f32: each token's sum over its
+    slots of weight x row, as matmuls (see the module notes). w_sorted is 0
+    where valid_sorted is False."""
+    mine = _slots_of(tok_sorted, t)
+    weights = jnp.where(mine, w_sorted[None, :], 0.0)
+    hi = weights.astype(out.dtype)
+    lo = (weights - hi.astype(jnp.float32)).astype(out.dtype)
+    finite = jnp.isfinite(out)
+    clean = jnp.where(finite, out, 0)
+    res = _exact_dot(hi, clean) + _exact_dot(lo, clean)
+    # Count, per output element, the local slots whose row is non-finite there.
+    slots = jnp.logical_and(mine, valid_sorted[None, :]).astype(out.dtype)
+    nonfinite = _exact_dot(slots, (~finite).astype(out.dtype))
+    return jnp.where(nonfinite > 0, jnp.nan, res)
+
+
+def _combine_fwd(out, tok_sorted, w_sorted, valid_sorted, t):
+    return combine_by_matmul(out, tok_sorted, w_sorted, valid_sorted, t), (
+        out,
+        tok_sorted,
+        w_sorted,
+        valid_sorted,
+    )
+
+
+def _combine_bwd(t, res, g):
+    # The gather path's gradients, with its rounding: each slot's row of the
+    # cotangent (a one-hot product, exact), times its weight in f32, rounded
+    # once to the rows' dtype; the weight's gradient is the f32 dot of the two.
+    out, tok_sorted, w_sorted, valid_sorted = res
+    g_rows = _exact_dot(_slots_of(tok_sorted, t).T.astype(jnp.float32), g)  # [S, H]
+    d_out = (g_rows * w_sorted[:, None]).astype(out.dtype)
+    rows = jnp.where(valid_sorted[:, None], out.astype(jnp.float32), 0.0)
+    d_w = jnp.sum(rows * g_rows, axis=1)
+    return d_out, None, d_w, None
+
+
+combine_by_matmul.defvjp(_combine_fwd, _combine_bwd)

@@ -184,4 +184,5 @@ def moe_experts_reference(
         group_offset=group_offset,
         alpha=alpha,
         limit=limit,
+        routing="gather",
     )

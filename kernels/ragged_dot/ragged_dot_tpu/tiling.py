@@ -76,6 +76,29 @@ def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in QUANTIZED_DTYPES
 
 
+# The MoE layer routes tokens to experts and back by one-hot matmuls (moe.py)
+# up to this many tokens, in bf16. XLA's row gathers read ~8x the bytes they
+# move (a whole (8, 128) tile per row); the matmuls' flops grow as tokens^2
+# (4 products of 2 k T^2 H flops). At 512 tokens that is 34 GFLOP (37 us on
+# v6e, 175 on v5e) against ~190 us (v6e) / ~380 us (v5e) for the gathers; the
+# crossover is near 2k tokens on v5e, later on v6e and tpu7x.
+ROUTE_BY_MATMUL_MAX_TOKENS = 512
+
+
+def route_by_matmul(tokens: int, hidden_dtype, dtype) -> bool:
+    """Whether the MoE layer dispatches and combines tokens by one-hot matmuls:
+    hidden states and expert rows (`dtype`) in bf16, where each product is one
+    exact MXU pass (f32 hidden states keep the gathers: their dispatch would
+    take six passes, and its gradient would round to bf16 where the gather's
+    does not)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    return (
+        jnp.dtype(hidden_dtype) == bf16
+        and jnp.dtype(dtype) == bf16
+        and tokens <= ROUTE_BY_MATMUL_MAX_TOKENS
+    )
+
+
 def default_out_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
     """ragged_dot's output dtype when none is asked for: the activations' for
     quantized weights, else the wider of the two (bf16 x f32 gives f32)."""
