@@ -145,13 +145,13 @@ def _program(routing, captured, num_experts, offset, activation, idx):
 
 @settings(max_examples=3, deadline=None, derandomize=True)
 @given(
-    t=st.integers(1, 24),
+    t=st.integers(tiling.ROUTE_BY_MATMUL_MIN_TOKENS, 24),
     k=st.integers(1, 3),
     shard=st.sampled_from([None, 0, 4]),
     gpt_oss=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@example(t=5, k=2, shard=4, gpt_oss=True, seed=1)
+@example(t=9, k=2, shard=4, gpt_oss=True, seed=1)
 def test_layer_matches_its_gather_path(t, k, shard, gpt_oss, seed):
     e, h, i = 8, 128, 64
     num, off = (e, 0) if shard is None else (4, shard)
@@ -198,7 +198,8 @@ def test_layer_matches_its_gather_path(t, k, shard, gpt_oss, seed):
 def test_non_finite_inputs_stay_with_their_token():
     """An inf in one token's hidden state and a NaN expert: the tokens and
     elements the gather path leaves finite are finite and agree."""
-    e, h, i, t, k = 8, 128, 64, 7, 2
+    e, h, i, t, k = 8, 128, 64, 9, 2
+    assert tiling.route_by_matmul(t, BF16, BF16)
     hidden, idx, w, gu, dn, b1, b2 = _layer_case(t, k, e, h, i, False, seed=5)
     hidden = hidden.at[3, 11].set(jnp.inf)
     hot = int(idx[0, 0])
@@ -220,8 +221,9 @@ def test_non_finite_inputs_stay_with_their_token():
 
 
 def test_rule():
-    limit = tiling.ROUTE_BY_MATMUL_MAX_TOKENS
-    assert tiling.route_by_matmul(1, BF16, BF16)
+    low, limit = tiling.ROUTE_BY_MATMUL_MIN_TOKENS, tiling.ROUTE_BY_MATMUL_MAX_TOKENS
+    assert not tiling.route_by_matmul(low - 1, BF16, BF16)
+    assert tiling.route_by_matmul(low, BF16, BF16)
     assert tiling.route_by_matmul(limit, BF16, BF16)
     assert not tiling.route_by_matmul(limit + 1, BF16, BF16)
     assert not tiling.route_by_matmul(8, jnp.float32, BF16)  # f32 hidden: gathers
@@ -246,7 +248,7 @@ def _row_gathers(t, dtype):
 
 @pytest.mark.parametrize(
     "t, dtype, gathers",
-    [(512, BF16, 0), (513, BF16, 2), (16, jnp.float32, 2)],
+    [(512, BF16, 0), (8, BF16, 0), (513, BF16, 2), (7, BF16, 2), (16, jnp.float32, 2)],
 )
 def test_api_takes_the_path_the_rule_names(t, dtype, gathers):
     assert _row_gathers(t, dtype) == gathers

@@ -81,7 +81,11 @@ def is_quantized(dtype) -> bool:
 # move (a whole (8, 128) tile per row); the matmuls' flops grow as tokens^2
 # (4 products of 2 k T^2 H flops). At 512 tokens that is 34 GFLOP (37 us on
 # v6e, 175 on v5e) against ~190 us (v6e) / ~380 us (v5e) for the gathers; the
-# crossover is near 2k tokens on v5e, later on v6e and tpu7x.
+# crossover is near 2k tokens on v5e, later on v6e and tpu7x. Below 8 tokens
+# the gathers are tiny and the matmul path's extra fusions are not: scheduled
+# Qwen3 layer, 2026-12-01, matmuls vs gathers: +0.3 to +0.6 us at 1 token,
+# within 0.5 us either way at 2 and 4, -1.6 us at 8 (v6e and tpu7x).
+ROUTE_BY_MATMUL_MIN_TOKENS = 8
 ROUTE_BY_MATMUL_MAX_TOKENS = 512
 
 
@@ -95,7 +99,7 @@ def route_by_matmul(tokens: int, hidden_dtype, dtype) -> bool:
     return (
         jnp.dtype(hidden_dtype) == bf16
         and jnp.dtype(dtype) == bf16
-        and tokens <= ROUTE_BY_MATMUL_MAX_TOKENS
+        and ROUTE_BY_MATMUL_MIN_TOKENS <= tokens <= ROUTE_BY_MATMUL_MAX_TOKENS
     )
 
 
