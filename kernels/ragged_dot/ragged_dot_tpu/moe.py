@@ -112,8 +112,12 @@ def experts_program(
     ids = top_k_index.reshape(-1).astype(jnp.int32) - jnp.asarray(group_offset, jnp.int32)
     valid = jnp.logical_and(ids >= 0, ids < num_experts)
     key = jnp.where(valid, ids, num_experts)
-    order = jnp.argsort(key, stable=True)
-    key_sorted = key[order]
+    w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.float32), 0.0)
+    # One stable sort carries the slot ids and routing weights along: no
+    # element gathers (XLA runs those as scalar loops).
+    key_sorted, order, w_sorted = jax.lax.sort(
+        (key, jnp.arange(key.shape[0], dtype=jnp.int32), w), num_keys=1, is_stable=True
+    )
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
     group_sizes = group_sizes[:num_experts]
     by_matmul = routing == "auto" and tiling.route_by_matmul(t, hidden.dtype, dtype)
@@ -147,7 +151,6 @@ def experts_program(
     out = matmul(act, down, group_sizes, "down")
     if down_bias is not None:
         out = out + down_bias[ids_clamped].astype(out.dtype)
-    w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.float32), 0.0)
     if by_matmul:
         # A token's output is non-finite where the gather path's would be: the
         # whole row if its hidden state is and one of its slots is local, else
@@ -155,7 +158,7 @@ def experts_program(
         bad = jnp.logical_and(
             ~jnp.all(jnp.isfinite(hidden), axis=1), valid.reshape(t, k).any(axis=1)
         )
-        res = combine_by_matmul(out, tok_sorted, w[order], valid[order], t)
+        res = combine_by_matmul(out, tok_sorted, w_sorted, key_sorted < num_experts, t)
         res = jnp.where(bad[:, None], jnp.nan, res)
         return res.astype(hidden.dtype)
     # Combine in (token, slot) order: gather each pair's row of `out` in the

@@ -1,0 +1,145 @@
+"""Scheduled time of a program's XLA parts: every fusion's own final bundles, run.
+
+The sweep charges the XLA part of a program (the MoE layer's sort, dispatch,
+activation and combine) XLA's estimated cycles, floored at the bytes its cost
+analysis reports. Those bytes cannot see where XLA keeps an array: in the MoE
+layer it keeps the routed rows in VMEM, and it counts a row gather of a bf16
+array as ~8x the rows it moves. Here each fusion (and sort, copy, ...) XLA
+compiled for the program is executed the way `bench.llo` executes a Pallas
+launch: its final VLIW bundles, its DMAs on the HBM model. The times are
+summed as if the fusions ran one after another (XLA's async copies between
+them are added at copy bandwidth); the Pallas launches themselves are left
+out (the sweep schedules those).
+
+Checked: an elementwise add over 100 MB is scheduled within 1.03x of its bytes
+at copy bandwidth (tests/bench/test_xla_fusions.py).
+
+    python -m bench.xla_fusions --tokens 512 --generation v6e --routing gather
+
+prints the fusions of `api.moe_experts`' program for Qwen3-30B-A3B, slowest
+first, and their sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+
+from . import llo, schedule
+
+_COPY_START = re.compile(r"%copy-start[\w.]* = \((\w+)\[([\d,]*)\]")
+_CUSTOM_CALL = re.compile(r"%([\w.\-]+) = \S+ custom-call\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionTime:
+    name: str
+    us: float
+    bundles: int
+    dma_bytes: int
+    notes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaSchedule:
+    fusions: list  # FusionTime, slowest first
+    copy_bytes: int  # moved by XLA's async copies (copy-start / copy-done)
+    copy_us: float
+
+    @property
+    def total_us(self) -> float:
+        return sum(f.us for f in self.fusions) + self.copy_us
+
+
+def _copy_bytes(hlo: str) -> int:
+    from .xla_cost import _ITEMSIZE
+
+    total = 0
+    for m in _COPY_START.finditer(hlo):
+        n = 1
+        for d in m.group(2).split(","):
+            if d:
+                n *= int(d)
+        total += n * _ITEMSIZE.get(m.group(1), 4)
+    return total
+
+
+def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
+    """Compiles fn(*args) (ShapeDtypeStructs) for `generation` and schedules
+    each of its XLA fusions."""
+    from torch_bindings.aot import tpu_compile
+
+    d = schedule.enable_dumps()
+    if d is None:
+        raise schedule.Unavailable("libtpu was loaded before bench could enable its dumps")
+    schedule.discard("")  # the llo folder holds one program's files at a time
+    tag = schedule.new_tag()
+
+    def program(*a):
+        return fn(*a)
+
+    program.__name__ = tag
+    try:
+        tpu_compile(program, list(args), generation)
+        hlo_files = glob.glob(os.path.join(d, "xla", f"*jit_{tag}.*after_optimizations.txt"))
+        hlo = open(max(hlo_files, key=os.path.getsize)).read() if hlo_files else ""
+        kernels = set(_CUSTOM_CALL.findall(hlo))
+        hz = schedule.clock_hz(generation)
+        hbm = schedule.hbm_model(generation)
+        fusions = []
+        for path in glob.glob(os.path.join(d, "llo", "*-01-final_bundles.txt")):
+            name = os.path.basename(path).split("-", 1)[1].rsplit("-01-final_bundles", 1)[0]
+            # Program prologue/epilogue (no work of ours) and the Pallas kernels.
+            if name.startswith("<") or name == "TLP" or name in kernels or tag in name:
+                continue
+            with open(path) as f:
+                res = llo.simulate(f.read(), {}, hbm, generation)
+            fusions.append(
+                FusionTime(
+                    name, res.cycles / hz * 1e6, res.bundles, res.dma_bytes, tuple(res.notes)
+                )
+            )
+    finally:
+        schedule.discard(tag)
+    copies = _copy_bytes(hlo)
+    fusions.sort(key=lambda f: -f.us)
+    return XlaSchedule(fusions, copies, copies / schedule.copy_bytes_per_s(generation) * 1e6)
+
+
+def _moe_program(model: str, tokens: int, generation: str, routing: str):
+    from ragged_dot_tpu import tiling
+
+    from . import moe, registry
+
+    if routing == "gather":
+        tiling.route_by_matmul = lambda *a: False
+    point = moe.MoePoint(moe.MODELS[model], tokens, "uniform")
+    built = registry.REGISTRY["ours_moe_experts"].build(point, generation, None)
+    return built.fn, registry.program_args(built, point.compile_args())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--generation", default="v6e")
+    p.add_argument("--routing", choices=("auto", "gather"), default="auto")
+    p.add_argument("--top", type=int, default=10)
+    a = p.parse_args(argv)
+    fn, args = _moe_program(a.model, a.tokens, a.generation, a.routing)
+    s = schedule_xla_parts(fn, args, a.generation)
+    for f in s.fusions[: a.top]:
+        print(f"{f.us:9.2f} us  {f.name:40s} {f.bundles:>8} bundles  {f.dma_bytes:>10} DMA bytes")
+    print(
+        f"{a.model} {a.tokens} tokens {a.generation} routing={a.routing}: "
+        f"{len(s.fusions)} XLA fusions {s.total_us - s.copy_us:.1f} us + async copies "
+        f"{s.copy_bytes / 1e6:.2f} MB {s.copy_us:.1f} us = {s.total_us:.1f} us"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
