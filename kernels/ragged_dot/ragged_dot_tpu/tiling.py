@@ -77,14 +77,13 @@ def is_quantized(dtype) -> bool:
 
 
 # The MoE layer routes tokens to experts and back by one-hot matmuls (moe.py)
-# up to this many tokens, in bf16. XLA's row gathers read ~8x the bytes they
-# move (a whole (8, 128) tile per row); the matmuls' flops grow as tokens^2
-# (4 products of 2 k T^2 H flops). At 512 tokens that is 34 GFLOP (37 us on
-# v6e, 175 on v5e) against ~190 us (v6e) / ~380 us (v5e) for the gathers; the
-# crossover is near 2k tokens on v5e, later on v6e and tpu7x. Below 8 tokens
-# the gathers are tiny and the matmul path's extra fusions are not: scheduled
-# Qwen3 layer, 2026-12-01, matmuls vs gathers: +0.3 to +0.6 us at 1 token,
-# within 0.5 us either way at 2 and 4, -1.6 us at 8 (v6e and tpu7x).
+# from 8 to 512 tokens, in bf16, instead of XLA's row gathers (scalar-driven
+# copy loops). The matmuls' flops grow as tokens^2 (4 products of 2 k T^2 H
+# flops: 34 GFLOP at 512 Qwen3 tokens, 37 us on v6e, 175 on v5e), so the
+# upper bound stays where the scheduled XLA part still gains (moe.py's notes).
+# Below 8 tokens the gathers are tiny and the matmul path's extra fusions are
+# not: scheduled Qwen3 layer, 2026-12-01, matmuls vs gathers: +0.3 to +0.6 us
+# at 1 token, within 0.5 us either way at 2 and 4, -1.6 us at 8 (v6e and tpu7x).
 ROUTE_BY_MATMUL_MIN_TOKENS = 8
 ROUTE_BY_MATMUL_MAX_TOKENS = 512
 
