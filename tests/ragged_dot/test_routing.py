@@ -114,14 +114,20 @@ def _layer_case(t, k, e, h, i, with_bias, seed):
     return hidden, idx.astype(jnp.int32), w, gu, dn, b1, b2
 
 
-def _program(routing, captured, num_experts, offset, activation, idx):
-    def matmul(x, wt, gs, which):
-        y = jax.lax.ragged_dot(x, wt, gs, preferred_element_type=x.dtype)
-        captured[(routing, which)] = (x, y)
-        return y
+def _program(routing, num_experts, offset, activation, idx):
+    """The layer with jax.lax.ragged_dot as its matmul, jitted (one compile per
+    shape, not one per op); returns the output and what each matmul saw:
+    {which: (rows in, rows out)}."""
 
     def run(hidden, w, gu, dn, b1, b2):
-        return moe.experts_program(
+        seen = {}
+
+        def matmul(x, wt, gs, which):
+            y = jax.lax.ragged_dot(x, wt, gs, preferred_element_type=x.dtype)
+            seen[which] = (x, y)
+            return y
+
+        out = moe.experts_program(
             hidden,
             idx,
             w,
@@ -139,8 +145,9 @@ def _program(routing, captured, num_experts, offset, activation, idx):
             limit=7.0,
             routing=routing,
         )
+        return out, seen
 
-    return run
+    return jax.jit(run)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True)
@@ -158,31 +165,31 @@ def test_layer_matches_its_gather_path(t, k, shard, gpt_oss, seed):
     activation = "gpt_oss" if gpt_oss else "silu"
     hidden, idx, w, gu, dn, b1, b2 = _layer_case(t, k, e, h, i, gpt_oss, seed)
     args = (hidden, w, gu, dn, b1, b2)
-    cap = {}
-    fast = _program("auto", cap, num, off, activation, idx)
-    slow = _program("gather", cap, num, off, activation, idx)
+    fast = _program("auto", num, off, activation, idx)
+    slow = _program("gather", num, off, activation, idx)
     assert tiling.route_by_matmul(t, BF16, BF16)
-    a, b = fast(*args), slow(*args)
+    (a, seen_a), (b, seen_b) = fast(*args), slow(*args)
     # The dispatch is exact: the experts see the same rows, bit for bit.
     for which in ("up", "down"):
         np.testing.assert_array_equal(
-            np.asarray(cap[("auto", which)][0].astype(jnp.float32)),
-            np.asarray(cap[("gather", which)][0].astype(jnp.float32)),
+            np.asarray(seen_a[which][0].astype(jnp.float32)),
+            np.asarray(seen_b[which][0].astype(jnp.float32)),
         )
     # Both round one f32 sum to bf16; the sums differ by the weights' two-term
     # split (<= F32_SLACK of the terms), so the outputs differ by <= 1 bf16 ulp.
-    rows = np.abs(np.asarray(cap[("gather", "down")][1].astype(jnp.float32)))
+    rows = np.abs(np.asarray(seen_b["down"][1].astype(jnp.float32)))
     mag = np.abs(np.asarray(w)).sum(1, keepdims=True) * (
         rows.max() + (0 if b2 is None else float(jnp.abs(b2).max()))
     )
     assert_close(a, b.astype(jnp.float32), dtype=BF16, magnitude=mag, roundings=1, what="out")
 
-    def loss(fn):
-        return lambda *xs: jnp.sum(jnp.sin(fn(*xs).astype(jnp.float32)))
+    def grads(fn):
+        def loss(*xs):
+            return jnp.sum(jnp.sin(fn(*xs)[0].astype(jnp.float32)))
 
-    argnums = (0, 1, 2, 3) + ((4, 5) if gpt_oss else ())
-    ga = jax.grad(loss(fast), argnums=argnums)(*args)
-    gb = jax.grad(loss(slow), argnums=argnums)(*args)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) + ((4, 5) if gpt_oss else ())))
+
+    ga, gb = grads(fast)(*args), grads(slow)(*args)
     for name, x, y in zip(("hidden", "w", "gate_up", "down", "b1", "b2"), ga, gb):
         assert x.dtype == y.dtype, name
         scale = max(1.0, float(jnp.abs(y.astype(jnp.float32)).max()))
@@ -204,9 +211,8 @@ def test_non_finite_inputs_stay_with_their_token():
     hidden = hidden.at[3, 11].set(jnp.inf)
     hot = int(idx[0, 0])
     dn = dn.at[hot, :, 17].set(jnp.nan)  # column 17 of every row routed to `hot`
-    cap = {}
-    a = _program("auto", cap, e, 0, "silu", idx)(hidden, w, gu, dn, b1, b2)
-    b = _program("gather", cap, e, 0, "silu", idx)(hidden, w, gu, dn, b1, b2)
+    a, _ = _program("auto", e, 0, "silu", idx)(hidden, w, gu, dn, b1, b2)
+    b, _ = _program("gather", e, 0, "silu", idx)(hidden, w, gu, dn, b1, b2)
     a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
     assert not np.isfinite(b[3]).any() and not np.isfinite(b[0, 17])  # the case bites
     assert np.isfinite(b).sum() > b.size // 2
