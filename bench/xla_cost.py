@@ -76,6 +76,15 @@ _ITEMSIZE = {
 _COPY = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* (copy|transpose)\(", re.M)
 
 
+def array_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array from its text: dtype name and "d0,d1,..." dims."""
+    n = 1
+    for d in dims.split(","):
+        if d:
+            n *= int(d)
+    return n * _ITEMSIZE.get(dtype, 4)
+
+
 def _unestimated_copy_bytes(hlo_text: str) -> int:
     """Bytes read + written by the copies and transposes XLA left without an
     estimate (e.g. relayouts of weights it is given in another layout): time
@@ -85,11 +94,7 @@ def _unestimated_copy_bytes(hlo_text: str) -> int:
         line_end = hlo_text.find("\n", m.end())
         if '"estimated_cycles"' in hlo_text[m.start() : line_end]:
             continue
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        n = 1
-        for d in dims:
-            n *= d
-        total += 2 * n * _ITEMSIZE.get(m.group(1), 4)
+        total += 2 * array_bytes(m.group(1), m.group(2))
     return total
 
 

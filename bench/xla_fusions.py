@@ -55,16 +55,9 @@ class XlaSchedule:
 
 
 def _copy_bytes(hlo: str) -> int:
-    from .xla_cost import _ITEMSIZE
+    from .xla_cost import array_bytes
 
-    total = 0
-    for m in _COPY_START.finditer(hlo):
-        n = 1
-        for d in m.group(2).split(","):
-            if d:
-                n *= int(d)
-        total += n * _ITEMSIZE.get(m.group(1), 4)
-    return total
+    return sum(array_bytes(m.group(1), m.group(2)) for m in _COPY_START.finditer(hlo))
 
 
 def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
@@ -84,26 +77,27 @@ def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
     program.__name__ = tag
     try:
         tpu_compile(program, list(args), generation)
-        hlo_files = glob.glob(os.path.join(d, "xla", f"*jit_{tag}.*after_optimizations.txt"))
-        hlo = open(max(hlo_files, key=os.path.getsize)).read() if hlo_files else ""
-        kernels = set(_CUSTOM_CALL.findall(hlo))
-        hz = schedule.clock_hz(generation)
-        hbm = schedule.hbm_model(generation)
-        fusions = []
+        # Fusion files carry no program tag: read them before collect() clears
+        # the folder, then leave out the Pallas kernels the HLO names.
+        texts = {}
         for path in glob.glob(os.path.join(d, "llo", "*-01-final_bundles.txt")):
             name = os.path.basename(path).split("-", 1)[1].rsplit("-01-final_bundles", 1)[0]
-            # Program prologue/epilogue (no work of ours) and the Pallas kernels.
-            if name.startswith("<") or name == "TLP" or name in kernels or tag in name:
-                continue
-            with open(path) as f:
-                res = llo.simulate(f.read(), {}, hbm, generation)
-            fusions.append(
-                FusionTime(
-                    name, res.cycles / hz * 1e6, res.bundles, res.dma_bytes, tuple(res.notes)
-                )
-            )
+            if not (name.startswith("<") or name == "TLP" or tag in name):  # prologue/epilogue
+                with open(path) as f:
+                    texts[name] = f.read()
     finally:
-        schedule.discard(tag)
+        hlo = schedule.collect(tag).hlo or ""
+    kernels = set(_CUSTOM_CALL.findall(hlo))
+    hz = schedule.clock_hz(generation)
+    hbm = schedule.hbm_model(generation)
+    fusions = []
+    for name, text in texts.items():
+        if name in kernels:
+            continue
+        res = llo.simulate(text, {}, hbm, generation)
+        fusions.append(
+            FusionTime(name, res.cycles / hz * 1e6, res.bundles, res.dma_bytes, tuple(res.notes))
+        )
     copies = _copy_bytes(hlo)
     fusions.sort(key=lambda f: -f.us)
     return XlaSchedule(fusions, copies, copies / schedule.copy_bytes_per_s(generation) * 1e6)

@@ -126,8 +126,10 @@ def experts_program(
     tok_sorted = order // k
     if by_matmul:
         # Non-finite hidden values are zeroed here and restored as NaN at the end.
+        finite = jnp.isfinite(hidden)
         onehot = _slots_of(tok_sorted, t).T.astype(dtype)  # [S, T]
-        x = _exact_dot(onehot, jnp.where(jnp.isfinite(hidden), hidden, 0)).astype(dtype)
+        x = _exact_dot(onehot, jnp.where(finite, hidden, 0)).astype(dtype)
+        hidden_bad = ~jnp.all(finite, axis=1)
     else:
         x = hidden[tok_sorted].astype(dtype)
 
@@ -157,9 +159,7 @@ def experts_program(
         # A token's output is non-finite where the gather path's would be: the
         # whole row if its hidden state is and one of its slots is local, else
         # the columns where one of its local slots' rows is.
-        bad = jnp.logical_and(
-            ~jnp.all(jnp.isfinite(hidden), axis=1), valid.reshape(t, k).any(axis=1)
-        )
+        bad = jnp.logical_and(hidden_bad, valid.reshape(t, k).any(axis=1))
         res = combine_by_matmul(out, tok_sorted, w_sorted, key_sorted < num_experts, t)
         res = jnp.where(bad[:, None], jnp.nan, res)
         return res.astype(hidden.dtype)
