@@ -35,6 +35,11 @@ class Compiled:
     seconds: float  # compile wall time on this host
     schedule: str | None = None  # the Mosaic kernel's final bundles, packed
     copy_bytes: int | None = None  # moved by copies/transposes with no estimate
+    # The XLA fusions' own final bundles, run (bench.xla_fusions), plus XLA's
+    # async copies at copy bandwidth; None where the dumps are off or a
+    # fusion's run was cut off.
+    fusions_us: float | None = None
+    fusions_tried: bool = False  # False in records older than the field
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,16 +113,20 @@ def compile_program(
     """Compiles fn(*args) (args: ShapeDtypeStructs) for `generation`.
 
     With the compiler's dumps on (bench.schedule.enable_dumps), also reads the
-    XLA program's estimated cycles and, with `want_schedule`, the final VLIW
-    schedule of its Mosaic kernel (gzip + base64, for bench.schedule).
+    XLA program's estimated cycles and its fusions' scheduled time
+    (`want_cycles`) and, with `want_schedule`, the final VLIW schedule of its
+    Mosaic kernel (gzip + base64, for bench.schedule).
     """
     import time
 
     from torch_bindings.aot import executable_costs, tpu_compile
 
-    from . import schedule
+    from . import schedule, xla_fusions
 
     t0 = time.perf_counter()
+    dump_dir = os.environ.get(schedule._DIR_ENV) if want_cycles else None
+    if dump_dir:
+        schedule.discard("")  # fusion files carry no program tag: one program at a time
     tag = schedule.new_tag()
 
     def program(*a):
@@ -139,13 +148,35 @@ def compile_program(
             time.perf_counter() - t0,
         )
     temp, flops, nbytes = executable_costs(exe)
+    texts = xla_fusions.fusion_texts(dump_dir, tag) if dump_dir else {}
     dumps = schedule.collect(tag)
     cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
     copies = _unestimated_copy_bytes(dumps.hlo) if (want_cycles and dumps.hlo) else None
     sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
+    fusions_us = None
+    if dump_dir and dumps.hlo:
+        xs = xla_fusions.schedule_fusions(texts, dumps.hlo, generation)
+        fusions_us = None if xs.incomplete else xs.total_us
     return Compiled(
-        generation, True, None, temp, flops, nbytes, cycles, time.perf_counter() - t0, sched, copies
+        generation,
+        True,
+        None,
+        temp,
+        flops,
+        nbytes,
+        cycles,
+        time.perf_counter() - t0,
+        sched,
+        copies,
+        fusions_us,
+        bool(dump_dir and dumps.hlo),
     )
+
+
+def _dumps_on() -> bool:
+    from . import schedule
+
+    return bool(os.environ.get(schedule._DIR_ENV))
 
 
 def _short_error(msg: str) -> str:
@@ -209,7 +240,13 @@ class CompileCache:
         with self._lock:
             hit = self._mem.get(k)
         # A cached result lacking what is asked now (older cache) is compiled again.
-        if hit is not None and (hit.ok is False or not want_schedule or hit.schedule):
+        if hit is not None and (
+            hit.ok is False
+            or not (
+                (want_schedule and not hit.schedule)
+                or (want_cycles and not hit.fusions_tried and _dumps_on())
+            )
+        ):
             return hit
         res = compile_program(fn, args, generation, want_cycles, want_schedule)
         if not res.ok and _TRANSIENT in (res.error or ""):

@@ -32,6 +32,11 @@ from . import llo, schedule
 
 _COPY_START = re.compile(r"%copy-start[\w.]* = \((\w+)\[([\d,]*)\]")
 _CUSTOM_CALL = re.compile(r"%([\w.\-]+) = \S+ custom-call\(")
+# A fusion longer than this many bundles (XLA's lax.ragged_dot lowering, a
+# masked convolution estimated at 1e10 cycles) is cut off and reported
+# incomplete rather than run for minutes.
+MAX_BUNDLES = 5_000_000
+_CUT = "stopped after"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,7 @@ class FusionTime:
     bundles: int
     dma_bytes: int
     notes: tuple
+    floored: bool = False  # us is its HBM operands' bytes at copy bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +59,92 @@ class XlaSchedule:
     def total_us(self) -> float:
         return sum(f.us for f in self.fusions) + self.copy_us
 
+    @property
+    def incomplete(self) -> list[str]:
+        """Fusions whose run stopped early or branched on a value it could
+        not know: their times are not the schedule's."""
+        return [f.name for f in self.fusions if any(n.startswith(_CUT) for n in f.notes)]
+
 
 def _copy_bytes(hlo: str) -> int:
     from .xla_cost import array_bytes
 
     return sum(array_bytes(m.group(1), m.group(2)) for m in _COPY_START.finditer(hlo))
+
+
+def fusion_texts(dump_dir: str, tag: str) -> dict[str, str]:
+    """{fusion name: final bundles} the compiler dumped for the program being
+    compiled, Pallas kernels included (fusion files carry no program tag, so
+    the folder must hold one program's files: read before schedule.collect)."""
+    texts = {}
+    for path in glob.glob(os.path.join(dump_dir, "llo", "*-01-final_bundles.txt")):
+        name = os.path.basename(path).split("-", 1)[1].rsplit("-01-final_bundles", 1)[0]
+        if not (name.startswith("<") or name == "TLP" or tag in name):  # prologue/epilogue
+            with open(path) as f:
+                texts[name] = f.read()
+    return texts
+
+
+_DEF = re.compile(
+    r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\](\{[^}]*\})?\S* [\w\-]+\(([^)]*)\)", re.M
+)
+
+
+def hbm_bytes(hlo: str) -> dict[str, int]:
+    """{instruction: bytes of its operands and result that live in HBM}.
+
+    An array XLA placed in VMEM carries S(1) in its layout; tuples count 0.
+    This is every byte the instruction could touch, not what it must: a gather
+    or a dynamic slice reads less of its operand.
+    """
+    shapes = {}
+    for m in _DEF.finditer(hlo):
+        from .xla_cost import array_bytes
+
+        in_vmem = "S(1)" in (m.group(4) or "")
+        shapes[m.group(1)] = (0 if in_vmem else array_bytes(m.group(2), m.group(3)), m.group(5))
+    out = {}
+    for name, (own, operands) in shapes.items():
+        out[name] = own + sum(shapes.get(o, (0, ""))[0] for o in re.findall(r"%([\w.\-]+)", operands))
+    return out
+
+
+def schedule_fusions(
+    texts: dict[str, str], hlo: str, generation: str, max_bundles: int = MAX_BUNDLES
+) -> XlaSchedule:
+    """Runs each XLA fusion's bundles, leaving out the Pallas kernels the HLO
+    names (the sweep schedules those with their scalar-prefetch values)."""
+    kernels = set(_CUSTOM_CALL.findall(hlo))
+    hz = schedule.clock_hz(generation)
+    hbm = schedule.hbm_model(generation)
+    copy_bw = schedule.copy_bytes_per_s(generation)
+    touched = hbm_bytes(hlo)
+    fusions = []
+    for name, text in texts.items():
+        if name in kernels:
+            continue
+        res = llo.simulate(text, {}, hbm, generation, max_bundles=max_bundles)
+        us = res.cycles / hz * 1e6
+        # A run that branched on, or computed with, a value it could not know
+        # may have skipped a loop (XLA's ragged dot: its weight loop never ran
+        # and it moved 6 MB of 805): such a fusion is charged at least every
+        # HBM byte it could touch.
+        floor = touched.get(name, 0) / copy_bw * 1e6
+        unsure = res.unknown_branches > 0 or any("unknown" in n for n in res.notes)
+        floored = unsure and floor > us
+        fusions.append(
+            FusionTime(
+                name,
+                max(us, floor) if unsure else us,
+                res.bundles,
+                res.dma_bytes,
+                tuple(res.notes),
+                floored,
+            )
+        )
+    copies = _copy_bytes(hlo)
+    fusions.sort(key=lambda f: -f.us)
+    return XlaSchedule(fusions, copies, copies / schedule.copy_bytes_per_s(generation) * 1e6)
 
 
 def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
@@ -75,32 +162,13 @@ def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
         return fn(*a)
 
     program.__name__ = tag
+    texts = {}
     try:
         tpu_compile(program, list(args), generation)
-        # Fusion files carry no program tag: read them before collect() clears
-        # the folder, then leave out the Pallas kernels the HLO names.
-        texts = {}
-        for path in glob.glob(os.path.join(d, "llo", "*-01-final_bundles.txt")):
-            name = os.path.basename(path).split("-", 1)[1].rsplit("-01-final_bundles", 1)[0]
-            if not (name.startswith("<") or name == "TLP" or tag in name):  # prologue/epilogue
-                with open(path) as f:
-                    texts[name] = f.read()
+        texts = fusion_texts(d, tag)
     finally:
         hlo = schedule.collect(tag).hlo or ""
-    kernels = set(_CUSTOM_CALL.findall(hlo))
-    hz = schedule.clock_hz(generation)
-    hbm = schedule.hbm_model(generation)
-    fusions = []
-    for name, text in texts.items():
-        if name in kernels:
-            continue
-        res = llo.simulate(text, {}, hbm, generation)
-        fusions.append(
-            FusionTime(name, res.cycles / hz * 1e6, res.bundles, res.dma_bytes, tuple(res.notes))
-        )
-    copies = _copy_bytes(hlo)
-    fusions.sort(key=lambda f: -f.us)
-    return XlaSchedule(fusions, copies, copies / schedule.copy_bytes_per_s(generation) * 1e6)
+    return schedule_fusions(texts, hlo, generation)
 
 
 def _moe_program(model: str, tokens: int, generation: str, routing: str):
@@ -126,7 +194,8 @@ def main(argv=None) -> int:
     fn, args = _moe_program(a.model, a.tokens, a.generation, a.routing)
     s = schedule_xla_parts(fn, args, a.generation)
     for f in s.fusions[: a.top]:
-        print(f"{f.us:9.2f} us  {f.name:40s} {f.bundles:>8} bundles  {f.dma_bytes:>10} DMA bytes")
+        floored = "  floored at its HBM bytes" if f.floored else ""
+        print(f"{f.us:9.2f} us  {f.name:40s} {f.bundles:>8} bundles  {f.dma_bytes:>10} DMA bytes{floored}")
     print(
         f"{a.model} {a.tokens} tokens {a.generation} routing={a.routing}: "
         f"{len(s.fusions)} XLA fusions {s.total_us - s.copy_us:.1f} us + async copies "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 import bench  # noqa: F401  (switches the compiler dumps on before libtpu loads)
@@ -33,3 +34,36 @@ def test_vector_work_shows_in_the_schedule():
     )
     assert heavy.fusions[0].dma_bytes == plain.fusions[0].dma_bytes
     assert heavy.total_us > 1.5 * plain.total_us, (heavy.total_us, plain.total_us)
+
+
+def test_sweep_charges_the_xla_part_by_its_fusion_schedules(tmp_path):
+    # The sweep's XLA part of our MoE layer (sort, dispatch, activation glue,
+    # combine) is the run of its fusions' bundles, the same figure
+    # schedule_xla_parts gives for the program with its Pallas kernels left out.
+    import json
+    import os
+
+    from bench import cli, moe, registry
+
+    out = str(tmp_path / "out")
+    shape = ["--experts", "4", "--top-k", "2", "--hidden", "256", "--intermediate", "128"]
+    rc = cli.main(
+        shape
+        + ["--batches", "8", "--prefill", "", "--routing", "uniform"]
+        + ["--impls", "ours_moe_experts", "--generations", "v6e", "--jobs", "1"]
+        + ["--no-progress", "--out", out]
+    )
+    assert rc == 0
+    (rec,) = json.load(open(os.path.join(out, "results.json")))["records"]
+    g = rec["per_generation"]["v6e"]
+    assert g["status"] == "ok", g
+    assert g["xla_charged_by"] == "fusion schedules"
+
+    point = moe.MoePoint(moe.MoeShape("custom", 4, 2, 256, 128), 8, "uniform")
+    built = registry.REGISTRY["ours_moe_experts"].build(point, "v6e", None)
+    s = xla_fusions.schedule_xla_parts(
+        built.fn, registry.program_args(built, point.compile_args()), "v6e"
+    )
+    assert len(s.fusions) >= 3 and not s.incomplete
+    assert abs(g["xla_scheduled_us"] - s.total_us) <= 1e-6 * s.total_us, (g, s.total_us)
+    assert g["scheduled_us"] == pytest.approx(g["pallas_scheduled_us"] + s.total_us)
