@@ -351,10 +351,11 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
         if charged > XLA_ESTIMATE_LIMIT * max(xla_s, 1e-9):
             # Seen on lax.ragged_dot's masked convolution at 512+ tokens: one
             # fusion estimated at 17e9 cycles (5,600x its dense flops / peak).
-            g["notes"].append(
-                f"XLA's estimated cycles ({charged * 1e6:,.0f} µs) exceed "
-                f"{XLA_ESTIMATE_LIMIT}x the XLA part's roofline: not used"
-            )
+            if fus is None:
+                g["notes"].append(
+                    f"XLA's estimated cycles ({charged * 1e6:,.0f} µs) exceed "
+                    f"{XLA_ESTIMATE_LIMIT}x the XLA part's roofline: not used"
+                )
             charged = 0.0
         g["xla_estimated_us"] = max(xla_s, charged) * 1e6
         if fus is not None:

@@ -1,15 +1,23 @@
 """Scheduled time of a program's XLA parts: every fusion's own final bundles, run.
 
 The sweep charges the XLA part of a program (the MoE layer's sort, dispatch,
-activation and combine) XLA's estimated cycles, floored at the bytes its cost
-analysis reports. Those bytes cannot see where XLA keeps an array: in the MoE
-layer it keeps the routed rows in VMEM, and it counts a row gather of a bf16
-array as ~8x the rows it moves. Here each fusion (and sort, copy, ...) XLA
-compiled for the program is executed the way `bench.llo` executes a Pallas
-launch: its final VLIW bundles, its DMAs on the HBM model. The times are
-summed as if the fusions ran one after another (XLA's async copies between
-them are added at copy bandwidth); the Pallas launches themselves are left
-out (the sweep schedules those).
+activation and combine; the whole of an XLA-only baseline) this way: each
+fusion (and sort, copy, ...) XLA compiled for the program is executed the way
+`bench.llo` executes a Pallas launch, its final VLIW bundles with its DMAs
+on the HBM model. The times are summed as if the fusions ran one after
+another (XLA's async copies between them are added at copy bandwidth); the
+Pallas launches themselves are left out (the sweep schedules those with
+their scalar-prefetch values). Before 2026-12-01 the sweep used XLA's
+estimated cycles floored at its cost analysis's bytes, which cannot see where
+XLA keeps an array (in the MoE layer it keeps the routed rows in VMEM) and
+count a row gather of a bf16 array as ~8x the rows it moves.
+
+A fusion's run cannot know values it reads from memory (gather indices,
+XLA's ragged dot's group bounds): a branch on one falls through, so a loop
+may not run. Such a fusion is charged at least every byte of its HBM
+operands and result at copy bandwidth (for XLA's ragged dot in transformers'
+grouped_mm at Qwen3's shape, that floor is its time: the run moved 6 MB of
+805; at smaller shapes the same fusion's run reads every weight).
 
 Checked: an elementwise add over 100 MB is scheduled within 1.03x of its bytes
 at copy bandwidth (tests/bench/test_xla_fusions.py).

@@ -67,3 +67,37 @@ def test_sweep_charges_the_xla_part_by_its_fusion_schedules(tmp_path):
     assert len(s.fusions) >= 3 and not s.incomplete
     assert abs(g["xla_scheduled_us"] - s.total_us) <= 1e-6 * s.total_us, (g, s.total_us)
     assert g["scheduled_us"] == pytest.approx(g["pallas_scheduled_us"] + s.total_us)
+
+
+def test_hbm_bytes_reads_operands_and_leaves_out_vmem_arrays():
+    hlo = """
+ENTRY %main {
+  %p0 = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = f32[8,128]{1,0:T(8,128)S(1)} parameter(1)
+  %fusion.3 = bf16[64,128]{1,0:T(8,128)(2,1)} fusion(%p0, %p1), kind=kLoop
+  ROOT %fusion.4 = f32[8,128]{1,0:T(8,128)S(1)} fusion(%fusion.3, %p1), kind=kLoop
+}
+"""
+    got = xla_fusions.hbm_bytes(hlo)
+    assert got["fusion.3"] == 2 * 64 * 128 * 2  # p0 in, result out; p1 is in VMEM
+    assert got["fusion.4"] == 64 * 128 * 2  # its VMEM result and operand count 0
+
+
+def test_a_fusion_that_cannot_see_its_loop_bounds_is_charged_its_operands():
+    # transformers' grouped_mm as TorchTPU lowers it: XLA's ragged dot, whose
+    # weight loop reads group bounds the run cannot see (it moved 6 MB of the
+    # 805 MB gate_up weights). At 64 tokens x top-8 every one of Qwen3's 128
+    # experts has rows, so the two ragged dots read every expert's weights.
+    from bench import moe, registry
+
+    shape = moe.MODELS["qwen3-30b-a3b"]
+    point = moe.MoePoint(shape, 64, "uniform")
+    built = registry.REGISTRY["hf_grouped_mm"].build(point, "v6e", None)
+    s = xla_fusions.schedule_xla_parts(
+        built.fn, registry.program_args(built, point.compile_args()), "v6e"
+    )
+    weights = shape.experts * 3 * shape.hidden * shape.intermediate * 2
+    # the weights' relayout copies (transposed views) are separate fusions
+    dots = [f for f in s.fusions if not f.name.startswith("copy")]
+    assert any(f.floored for f in dots), dots[:4]
+    assert sum(f.us for f in dots) >= weights / schedule.copy_bytes_per_s("v6e") * 1e6
