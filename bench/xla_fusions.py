@@ -113,7 +113,9 @@ def hbm_bytes(hlo: str) -> dict[str, int]:
         shapes[m.group(1)] = (0 if in_vmem else array_bytes(m.group(2), m.group(3)), m.group(5))
     out = {}
     for name, (own, operands) in shapes.items():
-        out[name] = own + sum(shapes.get(o, (0, ""))[0] for o in re.findall(r"%([\w.\-]+)", operands))
+        out[name] = own + sum(
+            shapes.get(o, (0, ""))[0] for o in re.findall(r"%([\w.\-]+)", operands)
+        )
     return out
 
 
@@ -203,7 +205,9 @@ def main(argv=None) -> int:
     s = schedule_xla_parts(fn, args, a.generation)
     for f in s.fusions[: a.top]:
         floored = "  floored at its HBM bytes" if f.floored else ""
-        print(f"{f.us:9.2f} us  {f.name:40s} {f.bundles:>8} bundles  {f.dma_bytes:>10} DMA bytes{floored}")
+        print(
+            f"{f.us:9.2f} us  {f.name:40s} {f.bundles:>8} bundles  {f.dma_bytes:>10} DMA bytes{floored}"
+        )
     print(
         f"{a.model} {a.tokens} tokens {a.generation} routing={a.routing}: "
         f"{len(s.fusions)} XLA fusions {s.total_us - s.copy_us:.1f} us + async copies "
