@@ -544,6 +544,11 @@ def moe_layer_us(rec: dict, generation: str) -> tuple[float | None, str]:
     kind = "scheduled" if g.get("scheduled_us") else "ideal (no schedule)"
     if any("not used" in n for n in g.get("notes", [])):
         kind = "roofline floor, a lower bound (XLA's estimate over 100x its roofline, not used)"
+    if (g.get("xla_floored_us") or 0) > 0.01 * (us or 0):
+        kind = (
+            "scheduled, with XLA fusions whose loop bounds the run cannot see charged their "
+            "HBM bytes at copy bandwidth (a lower bound)"
+        )
     if g.get("compiles") is False:
         kind += ", does not compile"
     return us, kind

@@ -272,12 +272,15 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                 (built.glue_key, point.compile_key, xgen) if built.glue_key and launches else None
             )
             if share is not None and share in ctx.rests:
-                rest_flops, rest_bytes, source, est_cycles, copy_bytes, fus = ctx.rests[share]
+                rest_flops, rest_bytes, source, est_cycles, copy_bytes, fus, floored = ctx.rests[
+                    share
+                ]
                 have_rest = True
                 g["xla_part_from"] = source
                 g["xla_estimated_cycles"] = est_cycles
                 g["xla_unestimated_copy_bytes"] = copy_bytes
                 g["xla_fusions_us"] = fus
+                g["xla_floored_us"] = floored
             else:
                 comp = ctx.compile(
                     ("program", built.key, point.compile_key),
@@ -289,6 +292,7 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                 g["xla_estimated_cycles"] = est_cycles = comp.estimated_cycles
                 g["xla_unestimated_copy_bytes"] = copy_bytes = comp.copy_bytes
                 g["xla_fusions_us"] = comp.fusions_us
+                g["xla_floored_us"] = comp.fusions_floored_us
                 g["compiler_flops"] = comp.flops
                 g["compiler_bytes"] = comp.bytes_accessed
                 if not launches:
@@ -323,6 +327,7 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                             est_cycles,
                             copy_bytes,
                             comp.fusions_us,
+                            comp.fusions_floored_us,
                         )
         if not launches and not have_rest:
             g.update(

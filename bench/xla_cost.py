@@ -40,6 +40,9 @@ class Compiled:
     # fusion's run was cut off.
     fusions_us: float | None = None
     fusions_tried: bool = False  # False in records older than the field
+    # Of fusions_us, what fusions whose run could not know a value (and may
+    # have skipped a loop) were charged as their HBM bytes at copy bandwidth.
+    fusions_floored_us: float | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,10 +156,12 @@ def compile_program(
     cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
     copies = _unestimated_copy_bytes(dumps.hlo) if (want_cycles and dumps.hlo) else None
     sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
-    fusions_us = None
+    fusions_us = floored_us = None
     if dump_dir and dumps.hlo:
         xs = xla_fusions.schedule_fusions(texts, dumps.hlo, generation)
-        fusions_us = None if xs.incomplete else xs.total_us
+        if not xs.incomplete:
+            fusions_us = xs.total_us
+            floored_us = sum(f.us for f in xs.fusions if f.floored)
     return Compiled(
         generation,
         True,
@@ -170,6 +175,7 @@ def compile_program(
         copies,
         fusions_us,
         bool(dump_dir and dumps.hlo),
+        floored_us,
     )
 
 

@@ -8,7 +8,11 @@
    experts path and with `experts_implementation="ragged_dot_tpu"` from the
    loaded kernel, and check that greedy generation agrees; kernelize its
    RMSNorm layers with rmsnorm-tpu and check the logits agree;
-4. run the short batch-size sweep of the TPU performance model (bench/).
+4. run the short batch-size sweep of the TPU performance model (bench/);
+5. model a whole Qwen3-30B-A3B decode step on a v6e-8 under tensor
+   parallelism (bench/decode_step.py: tokens/s against batch size, ours
+   against transformers' grouped_mm), its experts block compiled for the
+   8-chip topology.
 
 On a TPU host the kernels run on the TPU; elsewhere they run through JAX on
 the CPU (Pallas interpret mode) and the job says so.
@@ -269,6 +273,20 @@ def main(argv=None) -> int:
     run_sweep(sweep, Path(args.out) / "sweep.log")
     _say(
         f"report: {Path(args.out) / 'results.md'}; plots: {Path(args.out)}/*.png; data: {Path(args.out)}/*.json"
+    )
+    decode_out = Path(args.out) / "decode_step"
+    decode = [sys.executable, "-m", "bench.decode_step", "--out", str(decode_out)]
+    if not args.full:
+        # One model and plan: the announcement's Qwen3-30B-A3B on a v6e-8 under
+        # tensor parallelism. --full: the README's whole table (four models, both
+        # plans, KV 1k and 8k; about 20 minutes).
+        decode += ["--models", "qwen3-30b-a3b", "--parallel", "tp8", "--kv", "1024"]
+    else:
+        decode += ["--models", "qwen3-30b-a3b,gemma-4-26b-a4b,gpt-oss-20b,mixtral-8x7b"]
+    _say("decode step: " + " ".join(decode[1:]))
+    run_sweep(decode, decode_out / "decode_step.log")
+    _say(
+        f"decode-step report: {decode_out / 'results.md'}; plot: {decode_out / 'decode_tokens_per_s.png'}"
     )
     return 0
 

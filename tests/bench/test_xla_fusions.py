@@ -67,6 +67,7 @@ def test_sweep_charges_the_xla_part_by_its_fusion_schedules(tmp_path):
     assert len(s.fusions) >= 3 and not s.incomplete
     assert abs(g["xla_scheduled_us"] - s.total_us) <= 1e-6 * s.total_us, (g, s.total_us)
     assert g["scheduled_us"] == pytest.approx(g["pallas_scheduled_us"] + s.total_us)
+    assert g["xla_floored_us"] == pytest.approx(sum(f.us for f in s.fusions if f.floored))
 
 
 def test_hbm_bytes_reads_operands_and_leaves_out_vmem_arrays():
