@@ -53,6 +53,11 @@ _TAG_PREFIX = "bench"
 _PID_ENV = "BENCH_DUMP_PID"
 
 
+def dump_dir() -> str | None:
+    """The folder the compiler dumps into in this process, if enable_dumps set one."""
+    return os.environ.get(_DIR_ENV) or None
+
+
 def enable_dumps() -> str | None:
     """Points libtpu's schedule dump and XLA's HLO dump at this process's own
     folder (worker processes get their own: they clean up as they read).

@@ -127,7 +127,7 @@ def compile_program(
     from . import schedule, xla_fusions
 
     t0 = time.perf_counter()
-    dump_dir = os.environ.get(schedule._DIR_ENV) if want_cycles else None
+    dump_dir = schedule.dump_dir() if want_cycles else None
     if dump_dir:
         schedule.discard("")  # fusion files carry no program tag: one program at a time
     tag = schedule.new_tag()
@@ -179,10 +179,10 @@ def compile_program(
     )
 
 
-def _dumps_on() -> bool:
+def _dump_dir() -> str | None:
     from . import schedule
 
-    return bool(os.environ.get(schedule._DIR_ENV))
+    return schedule.dump_dir()
 
 
 def _short_error(msg: str) -> str:
@@ -250,7 +250,7 @@ class CompileCache:
             hit.ok is False
             or not (
                 (want_schedule and not hit.schedule)
-                or (want_cycles and not hit.fusions_tried and _dumps_on())
+                or (want_cycles and not hit.fusions_tried and _dump_dir())
             )
         ):
             return hit

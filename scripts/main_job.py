@@ -280,7 +280,10 @@ def main(argv=None) -> int:
         # One model and plan: the announcement's Qwen3-30B-A3B on a v6e-8 under
         # tensor parallelism. --full: the README's whole table (four models, both
         # plans, KV 1k and 8k; about 20 minutes).
+        # Batches as the quick sweep's (3.5 min with 1, 8, 64, 512; the job is
+        # held to 10 minutes on 2 cores).
         decode += ["--models", "qwen3-30b-a3b", "--parallel", "tp8", "--kv", "1024"]
+        decode += ["--batches", "1,64,512"]
     else:
         decode += ["--models", "qwen3-30b-a3b,gemma-4-26b-a4b,gpt-oss-20b,mixtral-8x7b"]
     _say("decode step: " + " ".join(decode[1:]))
