@@ -869,7 +869,7 @@ def plot(path: str, rows: list[dict]) -> None:
         fig.text(
             0.01,
             0.002,
-            f"{', '.join(floors)}: some points are roofline floors (lower bounds, see results.md)",
+            f"{', '.join(floors)}: some points are lower bounds (floored at bytes, see results.md)",
             fontsize=7,
         )
     fig.tight_layout(rect=(0, 0.02, 1, 1))

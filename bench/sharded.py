@@ -17,7 +17,9 @@ bytes, so that the formula's bytes are the compiler's:
   its E/n), and sends the results back (a second `all_to_all`).
 
 The routing itself (which rows go where) is an input here: the compile is
-about shapes, kernels and collectives, not about routing values.
+about shapes, kernels and collectives, not about routing values. Every model's
+weights are given in the op's default layout ([E, 2I, H] gate/up, [E, H, I]
+down, SiLU, no biases), whatever the model stores.
 
     python -m bench.sharded --model qwen3-30b-a3b --plan tp8 --batch 64
 """
