@@ -113,6 +113,8 @@ def new_tag() -> str:
 class Dumps:
     hlo: str | None  # XLA's optimized HLO (estimated cycles per fusion)
     bundles: str | None  # the Mosaic kernel's final bundles (one kernel programs)
+    # {XLA fusion or Pallas kernel name: its final bundles}, when asked for
+    fusions: dict = dataclasses.field(default_factory=dict)
 
 
 def _read(pattern: str, exclude: str = "") -> str | None:
@@ -123,17 +125,53 @@ def _read(pattern: str, exclude: str = "") -> str | None:
         return f.read()
 
 
-def collect(tag: str) -> Dumps:
-    """What the compiler dumped for program `tag`; the files are removed."""
+def collect(tag: str, fusions: bool = False) -> Dumps:
+    """What the compiler dumped for program `tag`; the files are removed.
+
+    fusions: also every fusion's (and Pallas kernel's) final bundles. Their
+    files carry no program tag, so the folder must hold one program's files:
+    compile with `compile_tagged(..., fusions=True)`, which empties it first.
+    """
     d = os.environ.get(_DIR_ENV)
     if not d:
         return Dumps(None, None)
     out = Dumps(
         _read(os.path.join(d, "xla", f"*jit_{tag}.*after_optimizations.txt")),
         _read(os.path.join(d, "llo", f"*-{tag}.*final_bundles.txt"), exclude="schedule-analysis"),
+        _fusion_texts(d, tag) if fusions else {},
     )
     discard(tag)
     return out
+
+
+def _fusion_texts(d: str, tag: str) -> dict[str, str]:
+    texts = {}
+    for path in glob.glob(os.path.join(d, "llo", "*-01-final_bundles.txt")):
+        name = os.path.basename(path).split("-", 1)[1].rsplit("-01-final_bundles", 1)[0]
+        if not (name.startswith("<") or name == "TLP" or tag in name):  # prologue/epilogue
+            with open(path) as f:
+                texts[name] = f.read()
+    return texts
+
+
+def compile_tagged(compile_fn, fn, fusions: bool = False):
+    """(compile_fn(program), its Dumps): `program` is fn under a fresh tag, so
+    that its dump files can be told from other compiles'. A compile error is
+    raised after the program's files are removed."""
+    if fusions:
+        discard("")  # fusion files carry no program tag: one program at a time
+    tag = new_tag()
+
+    def program(*a):
+        return fn(*a)
+
+    program.__name__ = tag
+    try:
+        result = compile_fn(program)
+    except Exception:
+        discard(tag)
+        raise
+    return result, collect(tag, fusions)
 
 
 def discard(tag: str) -> None:

@@ -53,9 +53,6 @@ class ShardedCompile:
     collectives: tuple  # Collective, in program order
     seconds: float
 
-    def bytes_of(self, kind: str) -> list[int]:
-        return [c.bytes for c in self.collectives if c.kind == kind]
-
 
 def collectives(hlo: str) -> tuple:
     from .xla_cost import array_bytes
@@ -165,22 +162,19 @@ def compile_moe_block(cfg, plan, batch: int, generation: str = "v6e") -> Sharded
     from . import schedule
 
     fn, args = moe_block_program(cfg, plan, batch, generation)
-    tag = schedule.new_tag()
-
-    def program(*a):
-        return fn(*a)
-
-    program.__name__ = tag
     t0 = time.perf_counter()
     try:
-        jax.jit(program).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+        _, dumps = schedule.compile_tagged(
+            lambda program: (
+                jax.jit(program).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+            ),
+            fn,
+        )
     except Exception as e:  # noqa: BLE001 - the compiler raises many types
-        schedule.discard(tag)
         return ShardedCompile(False, f"{type(e).__name__}: {e}"[:400], (), 0.0)
-    hlo = schedule.collect(tag).hlo
-    if hlo is None:
+    if dumps.hlo is None:
         raise schedule.Unavailable("the compiler's dumps are off in this process")
-    return ShardedCompile(True, None, collectives(hlo), time.perf_counter() - t0)
+    return ShardedCompile(True, None, collectives(dumps.hlo), time.perf_counter() - t0)
 
 
 def main(argv=None) -> int:
@@ -194,7 +188,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cfg, plan = decode_step.MODELS[a.model], decode_step.parse_plan(a.plan)
     res = compile_moe_block(cfg, plan, a.batch, a.generation)
-    want = decode_step.collective_bytes(cfg, plan, a.batch)
+    want = decode_step.experts_collectives(cfg, plan, a.batch)
     print(f"{a.model} {plan.name} batch {a.batch} on {TOPOLOGIES[a.generation]}: ", end="")
     if not res.ok:
         print(f"does not compile: {res.error}")
@@ -202,7 +196,8 @@ def main(argv=None) -> int:
     print(f"compiles ({res.seconds:.1f} s)")
     for c in res.collectives:
         print(f"  {c.kind}: {c.bytes:,} bytes per rank")
-    print(f"  decode_step's formula, per layer (attention's and the experts'): {want}")
+    for kind, b in want:
+        print(f"  decode_step's formula: {kind}: {b:,} bytes per rank")
     return 0
 
 

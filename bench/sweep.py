@@ -272,15 +272,9 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                 (built.glue_key, point.compile_key, xgen) if built.glue_key and launches else None
             )
             if share is not None and share in ctx.rests:
-                rest_flops, rest_bytes, source, est_cycles, copy_bytes, fus, floored = ctx.rests[
-                    share
-                ]
+                rest_flops, rest_bytes, xla = ctx.rests[share]
                 have_rest = True
-                g["xla_part_from"] = source
-                g["xla_estimated_cycles"] = est_cycles
-                g["xla_unestimated_copy_bytes"] = copy_bytes
-                g["xla_fusions_us"] = fus
-                g["xla_floored_us"] = floored
+                g.update(xla)
             else:
                 comp = ctx.compile(
                     ("program", built.key, point.compile_key),
@@ -289,10 +283,14 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                     registry.program_args(built, point.compile_args()),
                     want_cycles=True,
                 )
-                g["xla_estimated_cycles"] = est_cycles = comp.estimated_cycles
-                g["xla_unestimated_copy_bytes"] = copy_bytes = comp.copy_bytes
-                g["xla_fusions_us"] = comp.fusions_us
-                g["xla_floored_us"] = comp.fusions_floored_us
+                # What the XLA part is charged from; shared with the impls of the same glue.
+                xla = dict(
+                    xla_estimated_cycles=comp.estimated_cycles,
+                    xla_unestimated_copy_bytes=comp.copy_bytes,
+                    xla_fusions_us=comp.fusions_us,
+                    xla_floored_us=comp.fusions_floored_us,
+                )
+                g.update(xla)
                 g["compiler_flops"] = comp.flops
                 g["compiler_bytes"] = comp.bytes_accessed
                 if not launches:
@@ -323,11 +321,7 @@ def evaluate(impl: registry.Impl, point, ctx: Context) -> dict:
                         ctx.rests[share] = (
                             rest_flops,
                             rest_bytes,
-                            impl.name,
-                            est_cycles,
-                            copy_bytes,
-                            comp.fusions_us,
-                            comp.fusions_floored_us,
+                            dict(xla, xla_part_from=impl.name),
                         )
         if not launches and not have_rest:
             g.update(

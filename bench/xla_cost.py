@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 
 from torch_bindings.aot import _TRANSIENT  # a failure that is not the program's
 
+from . import schedule
+
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
@@ -124,22 +126,15 @@ def compile_program(
 
     from torch_bindings.aot import executable_costs, tpu_compile
 
-    from . import schedule, xla_fusions
+    from . import xla_fusions
 
     t0 = time.perf_counter()
-    dump_dir = schedule.dump_dir() if want_cycles else None
-    if dump_dir:
-        schedule.discard("")  # fusion files carry no program tag: one program at a time
-    tag = schedule.new_tag()
-
-    def program(*a):
-        return fn(*a)
-
-    program.__name__ = tag
+    with_fusions = want_cycles and schedule.dump_dir() is not None
     try:
-        exe = tpu_compile(program, list(args), generation)
+        exe, dumps = schedule.compile_tagged(
+            lambda program: tpu_compile(program, list(args), generation), fn, with_fusions
+        )
     except Exception as e:  # noqa: BLE001 - the compiler raises many types
-        schedule.discard(tag)
         return Compiled(
             generation,
             False,
@@ -151,14 +146,12 @@ def compile_program(
             time.perf_counter() - t0,
         )
     temp, flops, nbytes = executable_costs(exe)
-    texts = xla_fusions.fusion_texts(dump_dir, tag) if dump_dir else {}
-    dumps = schedule.collect(tag)
     cycles = _entry_cycles(dumps.hlo) if (want_cycles and dumps.hlo) else None
     copies = _unestimated_copy_bytes(dumps.hlo) if (want_cycles and dumps.hlo) else None
     sched = schedule.pack(dumps.bundles) if (want_schedule and dumps.bundles) else None
     fusions_us = floored_us = None
-    if dump_dir and dumps.hlo:
-        xs = xla_fusions.schedule_fusions(texts, dumps.hlo, generation)
+    if with_fusions and dumps.hlo:
+        xs = xla_fusions.schedule_fusions(dumps.fusions, dumps.hlo, generation)
         if not xs.incomplete:
             fusions_us = xs.total_us
             floored_us = sum(f.us for f in xs.fusions if f.floored)
@@ -174,15 +167,9 @@ def compile_program(
         sched,
         copies,
         fusions_us,
-        bool(dump_dir and dumps.hlo),
+        bool(with_fusions and dumps.hlo),
         floored_us,
     )
-
-
-def _dump_dir() -> str | None:
-    from . import schedule
-
-    return schedule.dump_dir()
 
 
 def _short_error(msg: str) -> str:
@@ -192,6 +179,14 @@ def _short_error(msg: str) -> str:
         if i >= 0:
             return msg[max(0, i - 40) : i + 300].replace("\n", " ")
     return msg[:400].replace("\n", " ")
+
+
+def _lacks(hit: Compiled, want_cycles: bool, want_schedule: bool) -> bool:
+    """A cached record older than what is asked now (it is compiled again)."""
+    return bool(
+        (want_schedule and not hit.schedule)
+        or (want_cycles and not hit.fusions_tried and schedule.dump_dir() is not None)
+    )
 
 
 class CompileCache:
@@ -245,14 +240,7 @@ class CompileCache:
         k = self._k(key, generation)
         with self._lock:
             hit = self._mem.get(k)
-        # A cached result lacking what is asked now (older cache) is compiled again.
-        if hit is not None and (
-            hit.ok is False
-            or not (
-                (want_schedule and not hit.schedule)
-                or (want_cycles and not hit.fusions_tried and _dump_dir())
-            )
-        ):
+        if hit is not None and (hit.ok is False or not _lacks(hit, want_cycles, want_schedule)):
             return hit
         res = compile_program(fn, args, generation, want_cycles, want_schedule)
         if not res.ok and _TRANSIENT in (res.error or ""):

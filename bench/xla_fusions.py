@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import os
 import re
 
 from . import llo, schedule
+from .xla_cost import array_bytes
 
 _COPY_START = re.compile(r"%copy-start[\w.]* = \((\w+)\[([\d,]*)\]")
 _CUSTOM_CALL = re.compile(r"%([\w.\-]+) = \S+ custom-call\(")
@@ -69,28 +68,13 @@ class XlaSchedule:
 
     @property
     def incomplete(self) -> list[str]:
-        """Fusions whose run stopped early or branched on a value it could
-        not know: their times are not the schedule's."""
+        """Fusions whose run was cut off at max_bundles: their times are not
+        the schedule's."""
         return [f.name for f in self.fusions if any(n.startswith(_CUT) for n in f.notes)]
 
 
 def _copy_bytes(hlo: str) -> int:
-    from .xla_cost import array_bytes
-
     return sum(array_bytes(m.group(1), m.group(2)) for m in _COPY_START.finditer(hlo))
-
-
-def fusion_texts(dump_dir: str, tag: str) -> dict[str, str]:
-    """{fusion name: final bundles} the compiler dumped for the program being
-    compiled, Pallas kernels included (fusion files carry no program tag, so
-    the folder must hold one program's files: read before schedule.collect)."""
-    texts = {}
-    for path in glob.glob(os.path.join(dump_dir, "llo", "*-01-final_bundles.txt")):
-        name = os.path.basename(path).split("-", 1)[1].rsplit("-01-final_bundles", 1)[0]
-        if not (name.startswith("<") or name == "TLP" or tag in name):  # prologue/epilogue
-            with open(path) as f:
-                texts[name] = f.read()
-    return texts
 
 
 _DEF = re.compile(
@@ -107,8 +91,6 @@ def hbm_bytes(hlo: str) -> dict[str, int]:
     """
     shapes = {}
     for m in _DEF.finditer(hlo):
-        from .xla_cost import array_bytes
-
         in_vmem = "S(1)" in (m.group(4) or "")
         shapes[m.group(1)] = (0 if in_vmem else array_bytes(m.group(2), m.group(3)), m.group(5))
     out = {}
@@ -154,7 +136,7 @@ def schedule_fusions(
         )
     copies = _copy_bytes(hlo)
     fusions.sort(key=lambda f: -f.us)
-    return XlaSchedule(fusions, copies, copies / schedule.copy_bytes_per_s(generation) * 1e6)
+    return XlaSchedule(fusions, copies, copies / copy_bw * 1e6)
 
 
 def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
@@ -162,23 +144,12 @@ def schedule_xla_parts(fn, args, generation: str) -> XlaSchedule:
     each of its XLA fusions."""
     from torch_bindings.aot import tpu_compile
 
-    d = schedule.enable_dumps()
-    if d is None:
+    if schedule.enable_dumps() is None:
         raise schedule.Unavailable("libtpu was loaded before bench could enable its dumps")
-    schedule.discard("")  # the llo folder holds one program's files at a time
-    tag = schedule.new_tag()
-
-    def program(*a):
-        return fn(*a)
-
-    program.__name__ = tag
-    texts = {}
-    try:
-        tpu_compile(program, list(args), generation)
-        texts = fusion_texts(d, tag)
-    finally:
-        hlo = schedule.collect(tag).hlo or ""
-    return schedule_fusions(texts, hlo, generation)
+    _, dumps = schedule.compile_tagged(
+        lambda program: tpu_compile(program, list(args), generation), fn, fusions=True
+    )
+    return schedule_fusions(dumps.fusions, dumps.hlo or "", generation)
 
 
 def _moe_program(model: str, tokens: int, generation: str, routing: str):

@@ -17,14 +17,13 @@ def test_compiler_emits_the_collectives_decode_step_charges(model, plan, batch):
     cfg, pl = ds.MODELS[model], ds.parse_plan(plan)
     res = sharded.compile_moe_block(cfg, pl, batch, "v6e")
     assert res.ok, res.error
-    formula = ds.collective_bytes(cfg, pl, batch)
-    if pl.kind == "tp":
-        # one all-reduce of the experts' partial outputs; the layer's other is attention's
-        assert [c.kind for c in res.collectives] == ["all-reduce"]
-        assert res.bytes_of("all-reduce") == formula["all_reduce"][1:]
-    else:
-        assert [c.kind for c in res.collectives] == ["all-to-all", "all-to-all"]
-        assert res.bytes_of("all-to-all") == formula["all_to_all"]
+    got = [(c.kind, c.bytes) for c in res.collectives]
+    assert got == ds.experts_collectives(cfg, pl, batch)
+    # one all-reduce of the experts' partial outputs (the layer's other is
+    # attention's); or the dispatch and combine all-to-alls
+    assert [c.kind for c in res.collectives] == (
+        ["all-reduce"] if pl.kind == "tp" else ["all-to-all", "all-to-all"]
+    )
 
 
 def test_collectives_are_read_from_the_optimized_hlo():

@@ -73,14 +73,8 @@ def test_swap_rule_predicts_the_compilers_weight_layout(generation, shapes):
 
 def _optimized_hlo(fn, args, generation):
     """The compiler's optimized HLO (dumped: as_text fails on async ops)."""
-    tag = schedule.new_tag()
-
-    def program(*a):
-        return fn(*a)
-
-    program.__name__ = tag
-    tpu_compile(program, args, generation)
-    return schedule.collect(tag).hlo
+    _, dumps = schedule.compile_tagged(lambda program: tpu_compile(program, args, generation), fn)
+    return dumps.hlo
 
 
 def _weight_copies(hlo: str, weight_elems: int) -> list[str]:
