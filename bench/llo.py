@@ -63,6 +63,7 @@ def delay_slots(bundles: list[Bundle], rule: str) -> list[int]:
 
 
 _MASK = (1 << 32) - 1
+_CONST_PRED = {"0": False, "1": True}
 
 
 # ----------------------------------------------------------------- parsing
@@ -166,11 +167,13 @@ def _parse_op(text: str) -> Op | None:
     pred = keep = None
     if name.startswith("dma.") or name.startswith("vsync"):
         rest = re.sub(r"^\[thread:\$\d+\]\s*", "", rest)
-    pm = re.match(r"^\((!?)%p\d+_(p\d+)(?:,\s*([^)]*))?\)\s*,?\s*", rest)
+    # A predicate register, or a constant the compiler folded it to: "(0)" is
+    # an op that never runs (v6e keeps such DMAs in the schedule).
+    pm = re.match(r"^\((!?)(?:%p\d+_(p\d+)|([01]))(?:,\s*([^)]*))?\)\s*,?\s*", rest)
     if pm:
-        pred = (pm.group(2), pm.group(1) == "!")
-        if pm.group(3):
-            keep = _operand(pm.group(3))
+        pred = (pm.group(2) or pm.group(3), pm.group(1) == "!")
+        if pm.group(4):
+            keep = _operand(pm.group(4))
         rest = rest[pm.end() :]
     # Operands are separated by commas, or only by a space after an address
     # ("sst [smem:[#allocation8]] %s1").
@@ -400,7 +403,7 @@ class _Machine:
     def pred_ok(self, op: Op):
         if op.pred is None:
             return True
-        p = self.regs.get(op.pred[0])
+        p = _CONST_PRED.get(op.pred[0], self.regs.get(op.pred[0]))
         if p is None:
             return None
         return (not p) if op.pred[1] else bool(p)

@@ -49,7 +49,9 @@ def test_sweep_charges_the_xla_part_by_its_fusion_schedules(tmp_path):
     shape = ["--experts", "4", "--top-k", "2", "--hidden", "256", "--intermediate", "128"]
     rc = cli.main(
         shape
-        + ["--batches", "8", "--prefill", "", "--routing", "uniform"]
+        # 600 tokens: past the one-launch layer (560 on v6e), the two gmm
+        # launches with XLA's sort, gathers and combine around them.
+        + ["--batches", "600", "--prefill", "", "--routing", "uniform"]
         + ["--impls", "ours_moe_experts", "--generations", "v6e", "--jobs", "1"]
         + ["--no-progress", "--out", out]
     )
@@ -59,7 +61,7 @@ def test_sweep_charges_the_xla_part_by_its_fusion_schedules(tmp_path):
     assert g["status"] == "ok", g
     assert g["xla_charged_by"] == "fusion schedules"
 
-    point = moe.MoePoint(moe.MoeShape("custom", 4, 2, 256, 128), 8, "uniform")
+    point = moe.MoePoint(moe.MoeShape("custom", 4, 2, 256, 128), 600, "uniform")
     built = registry.REGISTRY["ours_moe_experts"].build(point, "v6e", None)
     s = xla_fusions.schedule_xla_parts(
         built.fn, registry.program_args(built, point.compile_args()), "v6e"

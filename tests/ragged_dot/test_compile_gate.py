@@ -162,6 +162,8 @@ def gate_program(point) -> GateProgram:
         return _vmem_estimate_program(point[1:])
     if point[0] == "mixed":
         return _mixed_program(point[1:])
+    if point[0] == "moe_decode":
+        return _moe_decode_program(point[1:])
     model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
@@ -295,6 +297,44 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
     return GateProgram(fn, args, generation)
 
 
+# The one-launch decode layer (kernel_moe_decode) at the shapes it takes:
+# the smallest and largest token counts of a generation, the torch and
+# transposed weight layouts, TP-8 slices (Qwen3 I/8 = 96, Mixtral I/8 = 1792)
+# and Mixtral's whole I = 14336 in 128-column items.
+# (model, tokens, layout, shard, generation)
+MOE_DECODE_POINTS = [
+    ("moe_decode", "qwen3_30b_a3b", 1, "torch", "full", g) for g in GENERATIONS
+] + [
+    ("moe_decode", "qwen3_30b_a3b", 512, "torch", "full", "v6e"),
+    ("moe_decode", "qwen3_30b_a3b", 256, "transposed", "full", "tpu7x"),
+    ("moe_decode", "qwen3_30b_a3b", 8, "torch", "tp8", "v6e"),
+    ("moe_decode", "gemma4_26b_a4b", 8, "torch", "full", "tpu7x"),
+    ("moe_decode", "mixtral_8x7b", 4, "transposed", "tp8", "v6e"),
+    ("moe_decode", "mixtral_8x7b", 64, "torch", "full", "v5e"),
+]
+
+
+def _moe_decode_program(point) -> GateProgram:
+    model, t, layout, shard, generation = point
+    e, top_k, h, i = MODELS[model]
+    i = i // 8 if shard == "tp8" else i
+    transposed = layout == "transposed"
+    fused = tiling.fused_moe_config(
+        t, h, i, jnp.bfloat16, jnp.bfloat16, has_gate=True, is_transposed=transposed,
+        is_concatenated=True, has_bias=False, generation=generation,
+    )  # fmt: skip
+    assert fused is not None, f"{point}: the layer would not take the fused launch"
+    kw = dict(num_experts=e, is_transposed=transposed, activation="silu", config=generation)
+    args = [
+        spec((t, h)),
+        spec((t, top_k), jnp.int32),
+        spec((t, top_k), jnp.float32),
+        spec((e, h, 2 * i) if transposed else (e, 2 * i, h)),
+        spec((e, i, h) if transposed else (e, h, i)),
+    ]
+    return GateProgram(lambda *a: moe_experts(*a, **kw), args, generation)
+
+
 # Where tiling's VMEM estimate is closest to what Mosaic allocates: the widest
 # contraction (Mixtral down, K = 14336) at prefill on v5e, and GPT-OSS's
 # unaligned whole-N slabs. (model, projection, tokens, kernel, generation)
@@ -406,3 +446,8 @@ def test_gmm_compiles_for_row_counts_off_the_tile(rows, dtype):
     # accepts only for whole tiles. Found by compiling these: 12 and 37 failed.
     args = [spec((rows, 256), dtype), spec((16, 256, 512), dtype), spec((16,), jnp.int32)]
     assert_compiles(functools.partial(gmm, config="v6e"), args, "v6e")
+
+
+@pytest.mark.parametrize("point", MOE_DECODE_POINTS, ids=_id)
+def test_one_launch_decode_layer_compiles(point, pool):
+    pool.assert_ok(__file__, point)

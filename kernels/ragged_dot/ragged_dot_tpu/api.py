@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from . import checks, moe, tiling
 from .kernel_gmm import gmm
+from .kernel_moe_decode import fused_moe_decode
 from .kernel_tgmm import tgmm
 from ._torch_bindings.vjp import differentiable, split_vjp
 
@@ -269,7 +270,11 @@ def _moe_configs(config):
         return config, config
     if isinstance(config, tiling.MoeConfig):
         return config.gate_up, config.down
-    raise ValueError(f"config: expected None, a generation name or a MoeConfig, got {config!r}")
+    if isinstance(config, tiling.FusedMoeConfig):  # the backward of the fused forward
+        return None, None
+    raise ValueError(
+        f"config: expected None, a generation name, a MoeConfig or a FusedMoeConfig, got {config!r}"
+    )
 
 
 def _moe_program(
@@ -335,7 +340,85 @@ def _moe_program(
 # program (routing, gathered rows, projections), the kernels' own backward
 # rules applied to them; top_k_index, group_offset and the quantized weights'
 # scales get no gradient (quantized weights themselves get None from ragged_dot).
-moe_experts_fwd, moe_experts_bwd = split_vjp(_moe_program, diff=(0, 2, 3, 4, 5, 6))
+_program_fwd, _program_bwd = split_vjp(_moe_program, diff=(0, 2, 3, 4, 5, 6))
+
+
+def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
+    """The one-launch decode layer's blocks where it applies (tiling's rule),
+    else None. A MoeConfig names the two projections' kernels: kept."""
+    hidden, _, _, gate_up, down, gate_up_bias, down_bias, _, gate_up_scale, _ = arrays
+    config = statics["config"]
+    if isinstance(config, tiling.MoeConfig) or gate_up_scale is not None:
+        return None
+    inter = down.shape[1] if statics["is_transposed"] else down.shape[2]
+    if isinstance(config, tiling.FusedMoeConfig):
+        # Blocks given by hand: the layer must be one the kernel carries.
+        rule = _fused_config(arrays, dict(statics, config=None))
+        if rule is None:
+            raise ValueError(
+                "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16,"
+                " no biases or scales, gate/up halves not interleaved, at most"
+                f" {tiling.fused_moe_max_tokens()} tokens); got {hidden.shape[0]} tokens of"
+                f" {hidden.dtype.name} with {gate_up.dtype.name} weights"
+            )
+        tiling.check_fused_moe_config(config, inter)
+        return config
+    return tiling.fused_moe_config(
+        hidden.shape[0],
+        hidden.shape[1],
+        inter,
+        hidden.dtype,
+        gate_up.dtype,
+        has_gate=statics["has_gate"],
+        is_transposed=statics["is_transposed"],
+        is_concatenated=statics["is_concatenated"],
+        has_bias=gate_up_bias is not None or down_bias is not None,
+        generation=config,
+    )
+
+
+def moe_experts_fwd(*arrays, **statics):
+    """(output, residuals): one fused launch at decode sizes (no residuals:
+    the backward recomputes the two-launch program's), else the program's."""
+    fused = _fused_config(arrays, statics)
+    if fused is None:
+        return _program_fwd(*arrays, **statics)
+    hidden, top_k_index, top_k_weights, gate_up, down = arrays[:5]
+    inter = down.shape[1] if statics["is_transposed"] else down.shape[2]
+    gu_t, dn_t = tiling.fused_moe_orientation(
+        hidden.shape[1], inter, statics["has_gate"], statics["is_transposed"]
+    )
+    # Swapped views where XLA stores a weight swapped: bitcasts, not HBM copies.
+    if gu_t != statics["is_transposed"]:
+        gate_up = jnp.swapaxes(gate_up, 1, 2)
+    if dn_t != statics["is_transposed"]:
+        down = jnp.swapaxes(down, 1, 2)
+    out = fused_moe_decode(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up,
+        down,
+        arrays[7],
+        num_experts=statics["num_experts"],
+        has_gate=statics["has_gate"],
+        gu_transposed=gu_t,
+        dn_transposed=dn_t,
+        activation=statics["activation"],
+        alpha=statics["alpha"],
+        limit=statics["limit"],
+        config=fused,
+        interpret=statics["interpret"],
+    )
+    return out, ()
+
+
+def moe_experts_bwd(arrays, outputs, residuals, cotangents, **statics):
+    if _fused_config(arrays, statics) is not None:
+        outputs, residuals = _program_fwd(*arrays, **statics)
+    return _program_bwd(arrays, outputs, residuals, cotangents, **statics)
+
+
 _moe_experts = differentiable(moe_experts_fwd, moe_experts_bwd)
 
 
@@ -391,8 +474,11 @@ def moe_experts(
       is_concatenated: gate/up halves ([gate; up]) vs interleaved (GPT-OSS).
       activation: "silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2" or
         "gpt_oss" (clamped GLU with alpha/limit).
-      config: None (detect the TPU generation), a generation name, or a
-        tiling.MoeConfig (one RaggedDotConfig per projection).
+      config: None (detect the TPU generation), a generation name, a
+        tiling.MoeConfig (two gmm launches, one RaggedDotConfig per
+        projection), or a tiling.FusedMoeConfig (the one-launch decode
+        kernel's blocks; by default it runs where tiling.fused_moe_config
+        says it applies).
       interpret: run the kernels in interpret mode.
     """
     checks.check_moe_args(

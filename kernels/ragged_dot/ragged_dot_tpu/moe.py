@@ -55,7 +55,7 @@ from . import tiling
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "gpt_oss")
 
 
-def _act(name: str, x):
+def act(name: str, x):
     if name in ("silu", "swish"):
         return jax.nn.silu(x)
     if name == "gelu":
@@ -75,6 +75,12 @@ def _gate(h, *, activation, is_concatenated, alpha, limit):
         gate, up = jnp.split(h, 2, axis=-1)
     else:
         gate, up = h[:, 0::2], h[:, 1::2]
+    return glu(gate, up, activation=activation, alpha=alpha, limit=limit)
+
+
+def glu(gate, up, *, activation, alpha, limit):
+    """act(gate) * up in f32 from the two projections (also the fused decode
+    kernel's, on its chunk of the intermediate dimension)."""
     # Each half is widened where it is used: a widened [S, 2I] would be one
     # more f32 array in HBM (XLA keeps a convert with two consumers unfused).
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
@@ -82,7 +88,7 @@ def _gate(h, *, activation, is_concatenated, alpha, limit):
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
         return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
-    return _act(activation, gate) * up
+    return act(activation, gate) * up
 
 
 def experts_program(
@@ -147,12 +153,12 @@ def experts_program(
                 alpha=alpha,
                 limit=limit,
             ).astype(dtype)
-        return _act(activation, p.astype(jnp.float32)).astype(dtype)
+        return act(activation, p.astype(jnp.float32)).astype(dtype)
 
     # Rematerialised in the backward: the gradient keeps the projection (in the
     # weights' dtype) instead of the activation's f32 intermediates.
-    act = jax.checkpoint(activate)(proj)
-    out = matmul(act, down, group_sizes, "down")
+    activated = jax.checkpoint(activate)(proj)
+    out = matmul(activated, down, group_sizes, "down")
     if down_bias is not None:
         out = out + down_bias[ids_clamped].astype(out.dtype)
     if by_matmul:

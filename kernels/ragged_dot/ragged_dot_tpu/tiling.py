@@ -527,3 +527,123 @@ def check_tgmm_config(cfg: TgmmConfig, k: int, n: int, sub: int) -> None:
 
 def num_steps(m: int, n: int, cfg: GmmConfig) -> int:
     return math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+
+
+# -- the one-launch decode layer (kernel_moe_decode) -----------------------------
+#
+# At decode sizes the whole experts layer is one Pallas launch: the layer's
+# cost is its active experts' weights plus fixed costs, and the two-gmm
+# program pays ~20 small XLA fusions (sort, histogram, gathers, combine: 14 us
+# on v6e, 21 on tpu7x at one Qwen3 token, each waiting on its own DMAs) and a
+# second launch. The fused kernel computes every token against each active
+# expert and masks the sum, so it needs no sort and no gather; that costs
+# tokens x (2 flops per weight element) of MXU work per expert against one
+# read of its weights, so it pays while tokens x HBM bandwidth / peak flops
+# stays under 1 (bf16 weights: 2 bytes and 2 flops per element). That is 560
+# tokens on v6e, 312 on tpu7x. Scheduled Qwen3 layer, fused vs two launches,
+# 2026-12-02: v6e 58 / 77 us at 1 token, 885 / 896 at 128, 959 / 990 at 512;
+# tpu7x 28 / 53 at 1, 414 / 442 at 256, 676 / 489 at 512 (there the MXU binds).
+# Each stream item is one active expert's gate/up and down weights for a
+# block_i-wide slice of the intermediate dimension, about
+# FUSED_MOE_ITEM_BYTES: small enough that the last item's compute, which no
+# DMA hides, stays short; large enough that a DMA's fixed latency is a small
+# share of its transfer.
+FUSED_MOE_ITEM_BYTES = 4 * MiB
+
+
+def fused_moe_max_tokens(generation: str | None = None) -> int:
+    """Most tokens the one-launch layer takes on this generation (see above)."""
+    gen = get_generation(generation)
+    return int(gen.peak_flops / gen.hbm_bytes_per_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedMoeConfig:
+    """Blocks of the one-launch decode layer.
+
+    block_i: columns of the intermediate dimension per stream item (I, or a
+      multiple of 128 dividing I).
+    buffers: VMEM slots of the stream (>= 2).
+    vmem_limit_bytes: scoped VMEM limit to request.
+    """
+
+    block_i: int
+    buffers: int
+    vmem_limit_bytes: int | None = None
+
+
+def check_fused_moe_config(cfg: FusedMoeConfig, inter: int) -> None:
+    whole = cfg.block_i == inter
+    if not (
+        whole or (cfg.block_i % 128 == 0 and 0 < cfg.block_i < inter and inter % cfg.block_i == 0)
+    ):
+        raise ValueError(
+            f"config.block_i: expected I = {inter} or a multiple of 128 dividing it, got {cfg.block_i}"
+        )
+    if cfg.buffers < 2:
+        raise ValueError(f"config.buffers: expected 2 or more, got {cfg.buffers}")
+
+
+def fused_moe_orientation(hidden, inter, has_gate, is_transposed) -> tuple[bool, bool]:
+    """(gate_up, down) as the one-launch kernel reads them: True for [E, in, out]
+    ([E, H, 2I], [E, I, H]). The model's orientation, swapped where XLA stores
+    the weight with its minor dims swapped (weight_minor_swapped)."""
+    n = 2 * inter if has_gate else inter
+    gu = (hidden, n) if is_transposed else (n, hidden)
+    dn = (inter, hidden) if is_transposed else (hidden, inter)
+    return tuple(is_transposed != weight_minor_swapped((1, *shape)) for shape in (gu, dn))
+
+
+def fused_moe_item_bytes(hidden: int, block_i: int, has_gate: bool, w_dtype) -> int:
+    return (3 if has_gate else 2) * hidden * block_i * jnp.dtype(w_dtype).itemsize
+
+
+def fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item) -> int:
+    """The weight ring plus the f32 accumulators, the hidden states and the
+    f32 temporaries of one item (projections, the down product)."""
+    rows = round_up(tokens, 16)
+    return buffers * item + rows * hidden * (4 * 4 + 2) + 3 * rows * block_i * 4
+
+
+def fused_moe_config(
+    tokens: int,
+    hidden: int,
+    inter: int,
+    hidden_dtype,
+    w_dtype,
+    *,
+    has_gate: bool,
+    is_transposed: bool,
+    is_concatenated: bool,
+    has_bias: bool,
+    generation: str | None = None,
+) -> FusedMoeConfig | None:
+    """The one-launch layer's blocks, or None where the layer runs as two gmm
+    launches (more tokens; f32 or quantized weights; biases or GPT-OSS's
+    interleaved gate/up, which the kernel does not carry; an I whose gate/up
+    halves or slices would not start on a memory tile; no fit in VMEM)."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    gen = get_generation(generation)
+    if not 1 <= tokens <= fused_moe_max_tokens(gen.name) or has_bias:
+        return None
+    if jnp.dtype(hidden_dtype) != bf16 or jnp.dtype(w_dtype) != bf16:
+        return None
+    if has_gate and not is_concatenated:
+        return None
+    gu_transposed, _ = fused_moe_orientation(hidden, inter, has_gate, is_transposed)
+    # The up half starts I rows (columns, transposed) into the expert.
+    if has_gate and inter % (128 if gu_transposed else sublane(w_dtype)):
+        return None
+    blocks = [inter] + [b for b in range(inter - 128, 0, -128) if b % 128 == 0 and inter % b == 0]
+    small = [
+        b
+        for b in blocks
+        if fused_moe_item_bytes(hidden, b, has_gate, w_dtype) <= FUSED_MOE_ITEM_BYTES
+    ]
+    in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
+    for block_i in small[:1] + [b for b in blocks if b not in small[:1]][::-1]:
+        item = fused_moe_item_bytes(hidden, block_i, has_gate, w_dtype)
+        for buffers in range(min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // item))), 1, -1):
+            if fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item) <= gen.vmem_budget:
+                return FusedMoeConfig(block_i, buffers, gen.vmem_budget)
+    return None

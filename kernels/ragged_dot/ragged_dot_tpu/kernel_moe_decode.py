@@ -1,0 +1,337 @@
+"""A whole MoE experts layer at decode batch sizes as one Pallas TPU launch.
+
+out[t] = sum over t's slots (t, j) of w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),
+e = top_k_index[t, j], the layer ``moe.experts_program`` computes with two gmm
+launches and XLA routing around them.
+
+Why this design
+---------------
+At a few tokens the layer costs its active experts' weights, read once, plus
+fixed costs; the two-launch program adds a sort, a histogram, row gathers and
+a combine that XLA runs as ~20 small fusions, each waiting on its own DMAs
+(14 us on v6e and 21 on tpu7x at one Qwen3 token, by their schedules), and a
+second launch's prologue and epilogue. Here:
+
+* No routing ops at all. top_k_index is scalar-prefetched; the kernel walks
+  it once on the scalar unit, listing each local expert the first time a slot
+  names it, and issues that expert's weight DMAs while the walk goes on.
+* Every token is computed against each active expert and the expert's
+  result is masked into the f32 accumulator with the token's routing weight
+  (tokens that did not pick it are masked out, never multiplied by zero: their
+  rows may be non-finite). Nothing is gathered, sorted or scattered. The MXU
+  work this adds (all tokens instead of the expert's own) stays under the
+  expert's weight DMA up to ``tiling.fused_moe_max_tokens`` (560 tokens on
+  v6e, 312 on tpu7x); at a few tokens the pass is one sublane tile either way.
+* One weight stream, item (expert a, slice c) = the gate and up rows and the
+  down columns of a block_i-wide slice of the intermediate dimension, through
+  ``buffers`` VMEM slots with all but one in flight (the gmm kernel's ring).
+  A slice's down product adds into an f32 [T, H] partial that is rounded to
+  the weights' dtype after the expert's last slice: the rounding points of
+  ``experts_program`` (projections in the weights' dtype, the activation in
+  f32 rounded once, routing weights and the sum over slots in f32).
+* Weights stay where the model keeps them: torch Linear layout ([E, 2I, H],
+  [E, H, I]) contracts on the last axis, the transposed one ([E, H, 2I],
+  [E, I, H]) on the first, each weight taken in the orientation XLA stores
+  it in (a [128, 2048, 96] TP-8 shard lives as [128, 96, 2048]): nothing is
+  transposed or copied in HBM.
+
+* The small inputs (hidden states, ids, routing weights) are copied by hand,
+  queued ahead of the first weights, so no DMA latency passes before the
+  weight stream starts; only the scalar-prefetched ids are waited for.
+
+What it does not carry (``tiling.fused_moe_config`` says None and the layer
+runs as two gmm launches): more tokens, f32 or quantized weights, biases,
+GPT-OSS's interleaved gate/up. The backward is the two-launch program's
+(``api``), recomputed from the inputs: decode does not differentiate, and a
+training step at these sizes pays one more forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+from . import moe, tiling
+
+
+def _kernel(
+    ids_smem,
+    goff_smem,
+    x_hbm,
+    ids_hbm,
+    w_hbm,
+    gu_hbm,
+    dn_hbm,
+    out_ref,
+    gbuf,
+    dbuf,
+    sem,
+    seen,
+    active,
+    acc_ref,
+    x_ref,
+    ids_ref,
+    w_ref,
+    in_sem,
+    *rest,
+    tokens,
+    top_k,
+    num_experts,
+    inter,
+    block_i,
+    buffers,
+    has_gate,
+    gu_transposed,
+    dn_transposed,
+    activation,
+    alpha,
+    limit,
+):
+    (yacc_ref,) = rest if rest else (None,)
+    n_chunks = inter // block_i
+    n_proj = 2 if has_gate else 1
+    goff = goff_smem[0]
+    dtype = gbuf.dtype
+
+    def copies(a, c, slot):
+        e = active[a]
+        col = c * block_i if n_chunks > 1 else 0
+        if n_chunks > 1:
+            col = pl.multiple_of(col, 128)
+        dmas = []
+        for p in range(n_proj):
+            if n_chunks > 1:
+                start = pl.multiple_of(p * inter + col, 128)
+            else:
+                start = p * inter  # static: Mosaic proves the tile alignment itself
+            if n_proj == 1 and n_chunks == 1:
+                src = gu_hbm.at[e]
+            elif gu_transposed:  # [E, H, 2I]
+                src = gu_hbm.at[e, :, pl.ds(start, block_i)]
+            else:  # [E, 2I, H]
+                src = gu_hbm.at[e, pl.ds(start, block_i), :]
+            dmas.append(pltpu.make_async_copy(src, gbuf.at[slot, p], sem.at[slot, p]))
+        if n_chunks == 1:
+            # The whole expert, not a slice of its lanes: a lane slice would make
+            # XLA copy every expert's weights to another HBM layout first when I
+            # is not a multiple of 128 (Qwen3 TP-8: [128, 2048, 96]).
+            src = dn_hbm.at[e]
+        elif dn_transposed:  # [E, I, H]
+            src = dn_hbm.at[e, pl.ds(col, block_i), :]
+        else:  # [E, H, I]
+            src = dn_hbm.at[e, :, pl.ds(col, block_i)]
+        dmas.append(pltpu.make_async_copy(src, dbuf.at[slot], sem.at[slot, n_proj]))
+        return dmas
+
+    def start_item(q):
+        a = lax.div(q, n_chunks)
+        for dma in copies(a, q - a * n_chunks, lax.rem(q, buffers)):
+            dma.start()
+
+    # The small inputs are copied by hand, queued ahead of the weights and
+    # waited for only before the first product: as BlockSpec operands the body
+    # (and so every weight DMA) would wait for them, a whole DMA latency.
+    inputs = [
+        pltpu.make_async_copy(src, dst, in_sem.at[i])
+        for i, (src, dst) in enumerate(((x_hbm, x_ref), (ids_hbm, ids_ref), (w_hbm, w_ref)))
+    ]
+    for dma in inputs:
+        dma.start()
+
+    # The active list: each local expert once, in the order the slots first
+    # name it. An expert's items that fit the ring are started as soon as it
+    # is found, so its weights move while the walk goes on.
+    def clear(e, carry):
+        seen[e] = 0
+        return carry
+
+    lax.fori_loop(0, num_experts, clear, 0, unroll=8 if num_experts % 8 == 0 else 1)
+
+    def walk(t, count):
+        for j in range(top_k):
+            e = ids_smem[t, j] - goff
+            ec = jnp.clip(e, 0, num_experts - 1)
+            new = jnp.logical_and(jnp.logical_and(e >= 0, e < num_experts), seen[ec] == 0)
+
+            @pl.when(new)
+            def _(count=count, ec=ec):
+                seen[ec] = 1
+                active[count] = ec
+                for c in range(n_chunks):
+                    q = count * n_chunks + c
+
+                    @pl.when(q < buffers - 1)
+                    def _(q=q):
+                        start_item(q)
+
+            count = count + new.astype(jnp.int32)
+        return count
+
+    n_active = lax.fori_loop(0, tokens, walk, jnp.int32(0))
+    for dma in inputs:
+        dma.wait()
+    total = n_active * n_chunks
+    acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+    x = x_ref[...].astype(dtype)
+
+    def dot(lhs, w, contract_w):
+        dims = (((1,), (contract_w,)), ((), ()))
+        return lax.dot_general(lhs, w, dims, preferred_element_type=jnp.float32)
+
+    def add_expert(a, y):
+        """acc += w_e * round(y) on the rows of the tokens that chose expert a."""
+        y = y.astype(dtype).astype(jnp.float32)
+        mine = ids_ref[...] == active[a] + goff  # [T, k]
+        w = jnp.sum(jnp.where(mine, w_ref[...].astype(jnp.float32), 0.0), axis=1, keepdims=True)
+        chose = jnp.max(mine.astype(jnp.int32), axis=1, keepdims=True) > 0
+        acc_ref[...] += jnp.where(chose, w * y, 0.0)
+
+    def item(q, carry):
+        a = lax.div(q, n_chunks)
+        c = q - a * n_chunks
+        slot = lax.rem(q, buffers)
+        for dma in copies(a, c, slot):
+            dma.wait()
+
+        # Refill the slot item q - 1 used (done: items run in order).
+        @pl.when(q + buffers - 1 < total)
+        def _():
+            start_item(q + buffers - 1)
+
+        # Projections come out in the weights' dtype, as in experts_program.
+        proj = [
+            dot(x, gbuf[slot, p], 0 if gu_transposed else 1).astype(dtype) for p in range(n_proj)
+        ]
+        if has_gate:
+            h = moe.glu(proj[0], proj[1], activation=activation, alpha=alpha, limit=limit)
+        else:
+            h = moe.act(activation, proj[0].astype(jnp.float32))
+        y = dot(h.astype(dtype), dbuf[slot], 0 if dn_transposed else 1)  # [T, H] f32
+        if n_chunks == 1:
+            add_expert(a, y)
+        else:
+            yacc_ref[...] = jnp.where(c == 0, 0.0, yacc_ref[...]) + y
+
+            @pl.when(c == n_chunks - 1)
+            def _():
+                add_expert(a, yacc_ref[...])
+
+        return carry
+
+    lax.fori_loop(0, total, item, 0)
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "num_experts",
+        "has_gate",
+        "gu_transposed",
+        "dn_transposed",
+        "activation",
+        "alpha",
+        "limit",
+        "config",
+        "interpret",
+    ),
+)
+def fused_moe_decode(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    group_offset,
+    *,
+    num_experts: int,
+    has_gate: bool,
+    gu_transposed: bool,
+    dn_transposed: bool,
+    activation: str,
+    alpha: float,
+    limit: float,
+    config: tiling.FusedMoeConfig,
+    interpret=False,
+):
+    """moe_experts' forward in one launch (see the module notes): hidden [T, H]
+    bf16, top_k_index [T, k] int32, top_k_weights [T, k], gate_up [E, 2I, H]
+    ([E, I, H] without a gate; gu_transposed: [E, H, 2I]), down [E, H, I]
+    (dn_transposed: [E, I, H]), group_offset an int32 scalar. Each weight is
+    given in the orientation XLA stores it in (api: tiling.weight_minor_swapped).
+    Returns [T, H] in hidden's dtype."""
+    t, h = hidden.shape
+    k = top_k_index.shape[1]
+    inter = down.shape[1] if dn_transposed else down.shape[2]
+    bi, buffers = config.block_i, config.buffers
+    n_proj = 2 if has_gate else 1
+    gshape = (buffers, n_proj, h, bi) if gu_transposed else (buffers, n_proj, bi, h)
+    dshape = (buffers, bi, h) if dn_transposed else (buffers, h, bi)
+    scratch = [
+        pltpu.VMEM(gshape, gate_up.dtype),
+        pltpu.VMEM(dshape, down.dtype),
+        pltpu.SemaphoreType.DMA((buffers, n_proj + 1)),
+        pltpu.SMEM((num_experts,), jnp.int32),
+        pltpu.SMEM((min(num_experts, t * k),), jnp.int32),
+        pltpu.VMEM((t, h), jnp.float32),
+        pltpu.VMEM((t, h), hidden.dtype),
+        pltpu.VMEM((t, k), jnp.int32),
+        pltpu.VMEM((t, k), top_k_weights.dtype),
+        pltpu.SemaphoreType.DMA((3,)),
+    ]
+    if inter // bi > 1:
+        scratch.append(pltpu.VMEM((t, h), jnp.float32))
+    ids = top_k_index.astype(jnp.int32)
+    full = lambda shape: pl.BlockSpec(shape, lambda i, *_: (0,) * len(shape))
+    kernel = functools.partial(
+        _kernel,
+        tokens=t,
+        top_k=k,
+        num_experts=num_experts,
+        inter=inter,
+        block_i=bi,
+        buffers=buffers,
+        has_gate=has_gate,
+        gu_transposed=gu_transposed,
+        dn_transposed=dn_transposed,
+        activation=activation,
+        alpha=alpha,
+        limit=limit,
+    )
+    active = min(num_experts, t * k)
+    wbytes = active * (n_proj + 1) * h * inter * jnp.dtype(gate_up.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * t * h * inter * (n_proj + 1) * active,
+        transcendentals=t * inter * active,
+        bytes_accessed=int(wbytes + 2 * t * h * hidden.dtype.itemsize),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((t, h), hidden.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 5,
+            out_specs=full((t, h)),
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=config.vmem_limit_bytes
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="moe_decode_fused",
+    )(
+        ids,
+        jnp.asarray(group_offset, jnp.int32).reshape(1),
+        hidden,
+        ids,
+        top_k_weights,
+        gate_up,
+        down,
+    )

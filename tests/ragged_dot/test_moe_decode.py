@@ -1,0 +1,232 @@
+"""The one-launch decode layer (kernel_moe_decode), in interpret mode.
+
+moe_experts runs it for bf16 layers without biases of up to
+tiling.fused_moe_max_tokens() tokens (560 on v6e); each test first checks the launch really is the fused
+one. Forward: against transformers' own layer in f32 on the same bf16 values,
+per element (tests/tolerances.py; the bound is test_moe_jax's: |terms| of
+each output, six bf16 roundings). Backward: the fused forward keeps no
+residuals and the backward recomputes the two-launch program's, so its
+gradients must equal that program's bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+from transformers.integrations.moe import grouped_mm_experts_forward
+
+from ragged_dot_tpu import reference, tiling
+from ragged_dot_tpu.api import moe_experts
+from moe_cases import abs_bound_moe as _abs_bound_moe
+from moe_cases import experts as _experts
+from moe_cases import routing as _routing
+from moe_cases import to_jax as _j
+from tolerances import assert_close
+
+BF = jnp.bfloat16
+# (name, has_gate, is_transposed, is_concatenated, has_bias, activation): the
+# layouts the fused kernel carries (no biases, gate/up halves not interleaved).
+LAYOUTS = [
+    ("qwen_mixtral", True, False, True, False, "silu"),
+    ("transposed", True, True, True, False, "silu"),
+    ("gemma_like", True, False, True, False, "gelu_pytorch_tanh"),
+    ("nemotron_h", False, False, True, False, "relu2"),
+]
+
+
+def _kw(layout, e, **extra):
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    return dict(
+        num_experts=e,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+        interpret=True,
+        **extra,
+    )
+
+
+def _launches(fn, *args) -> list[str]:
+    text = str(jax.make_jaxpr(fn)(*args))
+    return [n for n in ("moe_decode_fused", "ragged_dot_gmm") if n in text]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    t=st.sampled_from([1, 2, 3, 5, 8, 13, 16, 40]),
+    k=st.integers(1, 4),
+    layout=st.sampled_from(LAYOUTS),
+    chunked=st.booleans(),
+    shard=st.sampled_from([None, 2]),
+    bf16_weights=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(t=16, k=4, layout=LAYOUTS[0], chunked=True, shard=None, bf16_weights=True, seed=1)
+@example(t=3, k=2, layout=LAYOUTS[1], chunked=True, shard=2, bf16_weights=False, seed=2)
+def test_matches_transformers_per_element(t, k, layout, chunked, shard, bf16_weights, seed):
+    e, h, i = 6, 128, 256
+    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=seed, dtype=torch.bfloat16)
+    idx, w = _routing(t, k, e, seed=seed + 1)
+    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)).bfloat16()
+    w = w.bfloat16() if bf16_weights else w
+    # Expert parallelism: this shard holds experts [2, 6); the others' slots are
+    # skipped, which for transformers is their experts' weights at zero.
+    num, off = (e, 0) if shard is None else (e - shard, shard)
+    ref_self, ref_gu, ref_dn, _, _ = _experts(layout, e, h, i, seed=seed, dtype=torch.bfloat16)
+    name = "gate_up_proj" if layout[1] else "up_proj"
+    ref_gu, ref_dn = ref_gu.float(), ref_dn.float()
+    ref_gu[:off], ref_dn[:off] = 0, 0
+    setattr(ref_self, name, ref_gu)
+    ref_self.down_proj = ref_dn
+    ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w.float()).numpy()
+
+    args = (_j(hid, BF), _j(idx).astype(jnp.int32), _j(w, BF) if bf16_weights else _j(w))
+    weights = (_j(gu, BF)[off:], _j(dn, BF)[off:])
+    # Two 128-column items per expert, or the blocks tiling picks (one item).
+    config = tiling.FusedMoeConfig(128, 3) if chunked else None
+    kw = _kw(layout, num, group_offset=off, config=config)
+    fn = lambda *a: moe_experts(*a, **kw)  # noqa: E731
+    assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
+    out = fn(*args, *weights)
+    assert out.dtype == BF and out.shape == (t, h)
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    mag = _abs_bound_moe(
+        _j(hid),
+        _j(idx).astype(jnp.int32),
+        _j(w),
+        ref_gu.numpy(),
+        ref_dn.numpy(),
+        None,
+        None,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+    )
+    assert_close(out, ref, dtype=BF, magnitude=mag, roundings=6, what="out")
+    # That bound compounds two matmuls' absolute terms, loose enough to miss a
+    # wrong slice of an expert; against the same rounding points (the XLA
+    # reference of moe_experts) the bound is the down product's terms only.
+    same = reference.moe_experts_reference(
+        *args, *weights, None, None, num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0
+    )
+    mag = _down_terms(
+        *args, *weights, num=num, off=off, has_gate=has_gate, transposed=is_transposed, act=act
+    )
+    assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
+
+
+def _down_terms(hid, idx, w, gu, dn, *, num, off, has_gate, transposed, act):
+    """Per output element, sum over local slots of |w| x sum_i s_i |Wd_i|, s
+    the scale of activation i's error: a bf16 flip of the gate or up
+    projection moves act(g) * u by <= 1.13 u |g| |u| each (|act'| <= 1.13
+    for SiLU and tanh-GELU, |act(g)| <= |g|), its own rounding and the down
+    product's by u |g| |u| each: 5 roundings of |g| |u| (relu2: p^2, 4)."""
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    local = jnp.logical_and(idx >= off, idx < off + num)
+    ids = jnp.clip(idx - off, 0, num - 1)
+    eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
+    eq_dn = "tki,tkih->tkh" if transposed else "tki,tkhi->tkh"
+    p = jnp.einsum(eq_up, f(hid), f(gu)[ids], precision="highest").astype(BF).astype(jnp.float32)
+    if has_gate:
+        g, u = jnp.split(p, 2, axis=-1)
+        scale = jnp.abs(g) * jnp.abs(u)
+    else:
+        scale = p * p if act == "relu2" else jnp.abs(p)
+    terms = jnp.einsum(eq_dn, scale, jnp.abs(f(dn))[ids], precision="highest")
+    return (terms * jnp.where(local, jnp.abs(f(w)), 0.0)[..., None]).sum(1)
+
+
+def test_backward_is_the_two_launch_programs():
+    layout = LAYOUTS[0]
+    e, h, i, t, k = 6, 128, 256, 5, 2
+    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=3, dtype=torch.bfloat16)
+    idx, w = _routing(t, k, e, seed=4)
+    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).bfloat16()
+    idx_j = _j(idx).astype(jnp.int32)
+    args = (_j(hid, BF), _j(w), _j(gu, BF), _j(dn, BF))
+
+    def loss(config):
+        kw = _kw(layout, e, config=config)
+        return lambda hid, w, gu, dn: jnp.sum(
+            jnp.sin(moe_experts(hid, idx_j, w, gu, dn, **kw).astype(jnp.float32))
+        )
+
+    # Two 128-column items per expert; a MoeConfig names the two gmm launches.
+    fused, program = loss(tiling.FusedMoeConfig(128, 3)), loss(tiling.MoeConfig())
+    assert _launches(fused, *args) == ["moe_decode_fused"]
+    assert _launches(program, *args) == ["ragged_dot_gmm"]
+    got = jax.grad(fused, argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(program, argnums=(0, 1, 2, 3))(*args)
+    for name, g, r in zip(("hidden", "top_k_weights", "gate_up", "down"), got, want):
+        np.testing.assert_array_equal(
+            np.asarray(g.astype(jnp.float32)), np.asarray(r.astype(jnp.float32)), err_msg=name
+        )
+
+
+def test_non_finite_tokens_stay_their_own():
+    """A token whose hidden state is inf gets NaN where it has a local expert
+    and exactly zero where it has none (expert parallelism); no other token
+    changes. Every token is computed against every active expert, so the
+    kernel must mask, not multiply by a zero weight."""
+    layout = LAYOUTS[0]
+    e, h, i, t = 6, 128, 128, 4
+    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=6, dtype=torch.bfloat16)
+    idx = jnp.asarray([[0, 1], [3, 4], [2, 5], [0, 3]], jnp.int32)  # token 0: experts 0, 1
+    w = jnp.full((t, 2), 0.5, jnp.float32)
+    hid = jnp.asarray(np.random.default_rng(7).normal(size=(t, h)), BF)
+    bad = hid.at[0, 3].set(jnp.inf)
+    weights = (_j(gu, BF)[2:], _j(dn, BF)[2:])  # the shard of experts [2, 6)
+    kw = _kw(layout, e - 2, group_offset=2)
+    assert _launches(lambda *a: moe_experts(*a, **kw), hid, idx, w, *weights) == [
+        "moe_decode_fused"
+    ]
+    clean = np.asarray(moe_experts(hid, idx, w, *weights, **kw).astype(jnp.float32))
+    out = np.asarray(moe_experts(bad, idx, w, *weights, **kw).astype(jnp.float32))
+    np.testing.assert_array_equal(out[0], 0.0)  # no local expert
+    np.testing.assert_array_equal(out[1:], clean[1:])
+
+    weights = (_j(gu, BF), _j(dn, BF))  # every expert local: token 0's row is NaN
+    out = np.asarray(moe_experts(bad, idx, w, *weights, **_kw(layout, e)).astype(jnp.float32))
+    clean = np.asarray(moe_experts(hid, idx, w, *weights, **_kw(layout, e)).astype(jnp.float32))
+    assert np.isnan(out[0]).all()
+    np.testing.assert_array_equal(out[1:], clean[1:])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(t=tiling.fused_moe_max_tokens() + 1),
+        dict(dtype=jnp.float32),
+        dict(bias=True),
+        dict(layout=("gpt_oss", True, True, False, False, "gpt_oss")),
+    ],
+    ids=["tokens", "f32", "bias", "interleaved"],
+)
+def test_layers_the_kernel_does_not_carry_take_two_launches(case):
+    layout = case.get("layout", LAYOUTS[0])
+    e, h, i, t, k = 4, 128, 128, case.get("t", 3), 2
+    dt = case.get("dtype", BF)
+    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=8)
+    idx, w = _routing(t, k, e, seed=9)
+    args = [jnp.zeros((t, h), dt), _j(idx).astype(jnp.int32), _j(w), _j(gu, dt), _j(dn, dt)]
+    if case.get("bias"):
+        args += [jnp.zeros((e, 2 * i), dt), jnp.zeros((e, h), dt)]
+    assert _launches(lambda *a: moe_experts(*a, **_kw(layout, e)), *args) == ["ragged_dot_gmm"]
+
+
+def test_hand_written_blocks_are_checked():
+    layout = LAYOUTS[0]
+    _, gu, dn, _, _ = _experts(layout, 4, 128, 256, seed=10)
+    idx, w = _routing(3, 2, 4, seed=11)
+    args = (jnp.zeros((3, 128), BF), _j(idx).astype(jnp.int32), _j(w), _j(gu, BF), _j(dn, BF))
+    with pytest.raises(ValueError, match="config.block_i: expected I = 256"):
+        moe_experts(*args, **_kw(layout, 4, config=tiling.FusedMoeConfig(96, 3)))
+    f32 = (*args[:3], _j(gu), _j(dn))
+    with pytest.raises(ValueError, match="config: a FusedMoeConfig needs a layer"):
+        moe_experts(*f32, **_kw(layout, 4, config=tiling.FusedMoeConfig(128, 3)))
