@@ -311,16 +311,22 @@ MOE_DECODE_POINTS = [
     ("moe_decode", "gemma4_26b_a4b", 8, "torch", "full", "tpu7x"),
     ("moe_decode", "mixtral_8x7b", 4, "transposed", "tp8", "v6e"),
     ("moe_decode", "mixtral_8x7b", 64, "torch", "full", "v5e"),
+    # per-channel int8 / fp8 weights (model, tokens, layout, shard, generation, dtype)
+    ("moe_decode", "qwen3_30b_a3b", 1, "torch", "full", "v6e", "int8"),
+    ("moe_decode", "qwen3_30b_a3b", 8, "torch", "full", "v6e", "float8_e4m3fn"),
+    ("moe_decode", "qwen3_30b_a3b", 156, "transposed", "full", "tpu7x", "float8_e4m3fn"),
+    ("moe_decode", "mixtral_8x7b", 16, "transposed", "tp8", "v5e", "int8"),
 ]
 
 
 def _moe_decode_program(point) -> GateProgram:
-    model, t, layout, shard, generation = point
+    model, t, layout, shard, generation, *dtype = point
+    wdt = jnp.dtype(dtype[0] if dtype else jnp.bfloat16)
     e, top_k, h, i = MODELS[model]
     i = i // 8 if shard == "tp8" else i
     transposed = layout == "transposed"
     fused = tiling.fused_moe_config(
-        t, h, i, jnp.bfloat16, jnp.bfloat16, has_gate=True, is_transposed=transposed,
+        t, h, i, jnp.bfloat16, wdt, has_gate=True, is_transposed=transposed,
         is_concatenated=True, has_bias=False, generation=generation,
     )  # fmt: skip
     assert fused is not None, f"{point}: the layer would not take the fused launch"
@@ -329,9 +335,18 @@ def _moe_decode_program(point) -> GateProgram:
         spec((t, h)),
         spec((t, top_k), jnp.int32),
         spec((t, top_k), jnp.float32),
-        spec((e, h, 2 * i) if transposed else (e, 2 * i, h)),
-        spec((e, i, h) if transposed else (e, h, i)),
+        spec((e, h, 2 * i) if transposed else (e, 2 * i, h), wdt),
+        spec((e, i, h) if transposed else (e, h, i), wdt),
     ]
+    if dtype:
+        args += [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)]
+        return GateProgram(
+            lambda hid, idx, w, gu, dn, gs, ds: moe_experts(
+                hid, idx, w, gu, dn, None, None, gs, ds, **kw
+            ),
+            args,
+            generation,
+        )
     return GateProgram(lambda *a: moe_experts(*a, **kw), args, generation)
 
 

@@ -1,7 +1,8 @@
 """The one-launch decode layer (kernel_moe_decode), in interpret mode.
 
-moe_experts runs it for bf16 layers without biases of up to
-tiling.fused_moe_max_tokens() tokens (560 on v6e); each test first checks the launch really is the fused
+moe_experts runs it for layers without biases of bf16 activations and bf16
+or per-channel int8 / fp8 weights, up to tiling.fused_moe_max_tokens()
+tokens (560 on v6e for bf16 weights); each test first checks the launch really is the fused
 one. Forward: against transformers' own layer in f32 on the same bf16 values,
 per element (tests/tolerances.py; the bound is test_moe_jax's: |terms| of
 each output, six bf16 roundings). Backward: the fused forward keeps no
@@ -121,6 +122,76 @@ def test_matches_transformers_per_element(t, k, layout, chunked, shard, bf16_wei
     assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
 
 
+def _quantize(w, dtype, out_axis):
+    """Symmetric per-output-channel quantization: (weights, [E, out] f32 scales)."""
+    w = jnp.asarray(w, jnp.float32)
+    in_axis = 3 - out_axis
+    qmax = 127.0 if jnp.dtype(dtype) == jnp.int8 else 448.0
+    amax = jnp.max(jnp.abs(w), axis=in_axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    q = w / scale
+    q = jnp.round(q) if jnp.dtype(dtype) == jnp.int8 else q
+    return q.astype(dtype), jnp.squeeze(scale, in_axis)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    t=st.sampled_from([1, 3, 8, 16]),
+    layout=st.sampled_from(LAYOUTS),
+    w_dtype=st.sampled_from([jnp.int8, jnp.float8_e4m3fn]),
+    s_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    chunked=st.booleans(),
+    shard=st.sampled_from([None, 2]),
+    seed=st.integers(0, 2**16),
+)
+@example(
+    t=3, layout=LAYOUTS[1], w_dtype=jnp.int8, s_dtype=jnp.bfloat16, chunked=True, shard=2, seed=3
+)
+def test_quantized_weights_match_the_same_rounding_points(
+    t, layout, w_dtype, s_dtype, chunked, shard, seed
+):
+    """int8 / fp8 weights with per-output-channel scales: widened in VMEM, the
+    scales on the f32 products, as the two-launch program (its XLA reference)."""
+    e, h, i, k = 6, 128, 256, 2
+    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=seed)
+    idx, w = _routing(t, k, e, seed=seed + 1)
+    hid = _j(torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)), BF)
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    gu_q, gu_s = _quantize(_j(gu), w_dtype, 2 if is_transposed else 1)
+    dn_q, dn_s = _quantize(_j(dn), w_dtype, 2 if is_transposed else 1)
+    gu_s, dn_s = gu_s.astype(s_dtype), dn_s.astype(s_dtype)
+    num, off = (e, 0) if shard is None else (e - shard, shard)
+    args = (hid, _j(idx).astype(jnp.int32), _j(w))
+    weights = (gu_q[off:], dn_q[off:], None, None, gu_s[off:], dn_s[off:])
+    config = tiling.FusedMoeConfig(128, 3) if chunked else None
+    kw = _kw(layout, num, group_offset=off, config=config)
+    fn = lambda *a: moe_experts(*a, **kw)  # noqa: E731
+    assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
+    out = fn(*args, *weights)
+    same = reference.moe_experts_reference(
+        *args, *weights[:4], num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0,
+        *weights[4:],
+    )  # fmt: skip
+    deq = lambda q, s, axis: (
+        q.astype(jnp.float32)
+        * jnp.expand_dims(  # noqa: E731
+            s.astype(jnp.float32), 3 - axis
+        )
+    )
+    axis = 2 if is_transposed else 1
+    mag = _down_terms(
+        *args,
+        deq(gu_q, gu_s, axis)[off:],
+        deq(dn_q, dn_s, axis)[off:],
+        num=num,
+        off=off,
+        has_gate=has_gate,
+        transposed=is_transposed,
+        act=act,
+    )
+    assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
+
+
 def _down_terms(hid, idx, w, gu, dn, *, num, off, has_gate, transposed, act):
     """Per output element, sum over local slots of |w| x sum_i s_i |Wd_i|, s
     the scale of activation i's error: a bf16 flip of the gate or up
@@ -205,8 +276,9 @@ def test_non_finite_tokens_stay_their_own():
         dict(dtype=jnp.float32),
         dict(bias=True),
         dict(layout=("gpt_oss", True, True, False, False, "gpt_oss")),
+        dict(block_scales=True),
     ],
-    ids=["tokens", "f32", "bias", "interleaved"],
+    ids=["tokens", "f32", "bias", "interleaved", "block_scales"],
 )
 def test_layers_the_kernel_does_not_carry_take_two_launches(case):
     layout = case.get("layout", LAYOUTS[0])
@@ -217,6 +289,9 @@ def test_layers_the_kernel_does_not_carry_take_two_launches(case):
     args = [jnp.zeros((t, h), dt), _j(idx).astype(jnp.int32), _j(w), _j(gu, dt), _j(dn, dt)]
     if case.get("bias"):
         args += [jnp.zeros((e, 2 * i), dt), jnp.zeros((e, h), dt)]
+    if case.get("block_scales"):  # FP8 checkpoints' 128 x 128 blocks
+        args[3:5] = [a.astype(jnp.float8_e4m3fn) for a in args[3:5]]
+        args += [None, None, jnp.ones((e, 2, 1)), jnp.ones((e, 1, 1))]
     assert _launches(lambda *a: moe_experts(*a, **_kw(layout, e)), *args) == ["ragged_dot_gmm"]
 
 

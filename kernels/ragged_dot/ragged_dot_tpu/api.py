@@ -348,7 +348,7 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
     else None. A MoeConfig names the two projections' kernels: kept."""
     hidden, _, _, gate_up, down, gate_up_bias, down_bias, _, gate_up_scale, _ = arrays
     config = statics["config"]
-    if isinstance(config, tiling.MoeConfig) or gate_up_scale is not None:
+    if isinstance(config, tiling.MoeConfig):
         return None
     inter = down.shape[1] if statics["is_transposed"] else down.shape[2]
     if isinstance(config, tiling.FusedMoeConfig):
@@ -356,9 +356,10 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
         rule = _fused_config(arrays, dict(statics, config=None))
         if rule is None:
             raise ValueError(
-                "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16,"
-                " no biases or scales, gate/up halves not interleaved, at most"
-                f" {tiling.fused_moe_max_tokens()} tokens); got {hidden.shape[0]} tokens of"
+                "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16"
+                " activations, bf16 or per-channel int8/fp8 weights, no biases, gate/up halves"
+                f" not interleaved, at most {tiling.fused_moe_max_tokens()} tokens); got"
+                f" {hidden.shape[0]} tokens of"
                 f" {hidden.dtype.name} with {gate_up.dtype.name} weights"
             )
         tiling.check_fused_moe_config(config, inter)
@@ -373,6 +374,7 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
         is_transposed=statics["is_transposed"],
         is_concatenated=statics["is_concatenated"],
         has_bias=gate_up_bias is not None or down_bias is not None,
+        block_scales=gate_up_scale is not None and gate_up_scale.ndim == 3,
         generation=config,
     )
 
@@ -400,6 +402,8 @@ def moe_experts_fwd(*arrays, **statics):
         gate_up,
         down,
         arrays[7],
+        arrays[8],
+        arrays[9],
         num_experts=statics["num_experts"],
         has_gate=statics["has_gate"],
         gu_transposed=gu_t,

@@ -39,9 +39,13 @@ second launch's prologue and epilogue. Here:
   queued ahead of the first weights, so no DMA latency passes before the
   weight stream starts; only the scalar-prefetched ids are waited for.
 
+* int8 / float8_e4m3fn weights with per-output-channel scales (weight-only)
+  stream their one-byte elements; each slice is widened to bf16 in VMEM and
+  the slice's scales (DMA'd beside it) multiply the f32 products, as in gmm.
+
 What it does not carry (``tiling.fused_moe_config`` says None and the layer
-runs as two gmm launches): more tokens, f32 or quantized weights, biases,
-GPT-OSS's interleaved gate/up. The backward is the two-launch program's
+runs as two gmm launches): more tokens, f32 weights, 128 x 128 block scales,
+biases, GPT-OSS's interleaved gate/up. The backward is the two-launch program's
 (``api``), recomputed from the inputs: decode does not differentiate, and a
 training step at these sizes pays one more forward.
 """
@@ -67,6 +71,32 @@ def _kernel(
     w_hbm,
     gu_hbm,
     dn_hbm,
+    *rest,
+    tokens,
+    top_k,
+    num_experts,
+    inter,
+    block_i,
+    buffers,
+    has_gate,
+    gu_transposed,
+    dn_transposed,
+    quantized,
+    activation,
+    alpha,
+    limit,
+):
+    if quantized:
+        gs_hbm, ds_hbm, *rest = rest
+    _body(*rest, ids_smem=ids_smem, goff_smem=goff_smem, x_hbm=x_hbm, ids_hbm=ids_hbm,
+          w_hbm=w_hbm, gu_hbm=gu_hbm, dn_hbm=dn_hbm, gs_hbm=gs_hbm if quantized else None,
+          ds_hbm=ds_hbm if quantized else None, tokens=tokens, top_k=top_k,
+          num_experts=num_experts, inter=inter, block_i=block_i, buffers=buffers,
+          has_gate=has_gate, gu_transposed=gu_transposed, dn_transposed=dn_transposed,
+          activation=activation, alpha=alpha, limit=limit)  # fmt: skip
+
+
+def _body(
     out_ref,
     gbuf,
     dbuf,
@@ -79,6 +109,15 @@ def _kernel(
     w_ref,
     in_sem,
     *rest,
+    ids_smem,
+    goff_smem,
+    x_hbm,
+    ids_hbm,
+    w_hbm,
+    gu_hbm,
+    dn_hbm,
+    gs_hbm,
+    ds_hbm,
     tokens,
     top_k,
     num_experts,
@@ -92,11 +131,14 @@ def _kernel(
     alpha,
     limit,
 ):
+    quantized = gs_hbm is not None
+    if quantized:
+        gsbuf, dsbuf, *rest = rest
     (yacc_ref,) = rest if rest else (None,)
     n_chunks = inter // block_i
     n_proj = 2 if has_gate else 1
     goff = goff_smem[0]
-    dtype = gbuf.dtype
+    dtype = x_ref.dtype  # quantized weights are widened to the activations' dtype
 
     def copies(a, c, slot):
         e = active[a]
@@ -116,6 +158,9 @@ def _kernel(
             else:  # [E, 2I, H]
                 src = gu_hbm.at[e, pl.ds(start, block_i), :]
             dmas.append(pltpu.make_async_copy(src, gbuf.at[slot, p], sem.at[slot, p]))
+            if quantized:  # this slice's output-channel scales (I % 128 == 0 here)
+                src = gs_hbm.at[pl.ds(e, 1), pl.ds(start, block_i)]
+                dmas.append(pltpu.make_async_copy(src, gsbuf.at[slot, p], sem.at[slot, 3 + p]))
         if n_chunks == 1:
             # The whole expert, not a slice of its lanes: a lane slice would make
             # XLA copy every expert's weights to another HBM layout first when I
@@ -125,7 +170,10 @@ def _kernel(
             src = dn_hbm.at[e, pl.ds(col, block_i), :]
         else:  # [E, H, I]
             src = dn_hbm.at[e, :, pl.ds(col, block_i)]
-        dmas.append(pltpu.make_async_copy(src, dbuf.at[slot], sem.at[slot, n_proj]))
+        dmas.append(pltpu.make_async_copy(src, dbuf.at[slot], sem.at[slot, 2]))
+        if quantized:
+            src = ds_hbm.at[pl.ds(e, 1)]
+            dmas.append(pltpu.make_async_copy(src, dsbuf.at[slot], sem.at[slot, 5]))
         return dmas
 
     def start_item(q):
@@ -183,8 +231,10 @@ def _kernel(
         dims = (((1,), (contract_w,)), ((), ()))
         return lax.dot_general(lhs, w, dims, preferred_element_type=jnp.float32)
 
-    def add_expert(a, y):
+    def add_expert(a, y, slot):
         """acc += w_e * round(y) on the rows of the tokens that chose expert a."""
+        if quantized:  # per output channel: commutes with the sum over slices
+            y = y * dsbuf[slot].astype(jnp.float32)
         y = y.astype(dtype).astype(jnp.float32)
         mine = ids_ref[...] == active[a] + goff  # [T, k]
         w = jnp.sum(jnp.where(mine, w_ref[...].astype(jnp.float32), 0.0), axis=1, keepdims=True)
@@ -203,23 +253,29 @@ def _kernel(
         def _():
             start_item(q + buffers - 1)
 
-        # Projections come out in the weights' dtype, as in experts_program.
-        proj = [
-            dot(x, gbuf[slot, p], 0 if gu_transposed else 1).astype(dtype) for p in range(n_proj)
-        ]
+        # Projections come out in the weights' dtype (quantized: the
+        # activations'), scaled in f32 first, as in experts_program.
+        proj = []
+        for p in range(n_proj):
+            w = gbuf[slot, p]
+            y = dot(x, w.astype(dtype) if quantized else w, 0 if gu_transposed else 1)
+            if quantized:
+                y = y * gsbuf[slot, p].astype(jnp.float32)
+            proj.append(y.astype(dtype))
         if has_gate:
             h = moe.glu(proj[0], proj[1], activation=activation, alpha=alpha, limit=limit)
         else:
             h = moe.act(activation, proj[0].astype(jnp.float32))
-        y = dot(h.astype(dtype), dbuf[slot], 0 if dn_transposed else 1)  # [T, H] f32
+        wd = dbuf[slot]
+        y = dot(h.astype(dtype), wd.astype(dtype) if quantized else wd, 0 if dn_transposed else 1)
         if n_chunks == 1:
-            add_expert(a, y)
+            add_expert(a, y, slot)
         else:
             yacc_ref[...] = jnp.where(c == 0, 0.0, yacc_ref[...]) + y
 
             @pl.when(c == n_chunks - 1)
             def _():
-                add_expert(a, yacc_ref[...])
+                add_expert(a, yacc_ref[...], slot)
 
         return carry
 
@@ -248,6 +304,8 @@ def fused_moe_decode(
     gate_up,
     down,
     group_offset,
+    gate_up_scale=None,
+    down_scale=None,
     *,
     num_experts: int,
     has_gate: bool,
@@ -264,7 +322,9 @@ def fused_moe_decode(
     ([E, I, H] without a gate; gu_transposed: [E, H, 2I]), down [E, H, I]
     (dn_transposed: [E, I, H]), group_offset an int32 scalar. Each weight is
     given in the orientation XLA stores it in (api: tiling.weight_minor_swapped).
-    Returns [T, H] in hidden's dtype."""
+    int8 / float8_e4m3fn weights come with per-output-channel scales,
+    gate_up_scale [E, 2I] and down_scale [E, H] (f32 or bf16), and are widened
+    to hidden's dtype in VMEM. Returns [T, H] in hidden's dtype."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     inter = down.shape[1] if dn_transposed else down.shape[2]
@@ -275,7 +335,8 @@ def fused_moe_decode(
     scratch = [
         pltpu.VMEM(gshape, gate_up.dtype),
         pltpu.VMEM(dshape, down.dtype),
-        pltpu.SemaphoreType.DMA((buffers, n_proj + 1)),
+        # per slot: gate/up weights, down weights, gate/up scales, down scales
+        pltpu.SemaphoreType.DMA((buffers, 6)),
         pltpu.SMEM((num_experts,), jnp.int32),
         pltpu.SMEM((min(num_experts, t * k),), jnp.int32),
         pltpu.VMEM((t, h), jnp.float32),
@@ -284,6 +345,12 @@ def fused_moe_decode(
         pltpu.VMEM((t, k), top_k_weights.dtype),
         pltpu.SemaphoreType.DMA((3,)),
     ]
+    quantized = gate_up_scale is not None
+    if quantized:
+        scratch += [
+            pltpu.VMEM((buffers, n_proj, 1, bi), gate_up_scale.dtype),
+            pltpu.VMEM((buffers, 1, h), down_scale.dtype),
+        ]
     if inter // bi > 1:
         scratch.append(pltpu.VMEM((t, h), jnp.float32))
     ids = top_k_index.astype(jnp.int32)
@@ -299,6 +366,7 @@ def fused_moe_decode(
         has_gate=has_gate,
         gu_transposed=gu_transposed,
         dn_transposed=dn_transposed,
+        quantized=quantized,
         activation=activation,
         alpha=alpha,
         limit=limit,
@@ -316,7 +384,7 @@ def fused_moe_decode(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(1,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 5,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (7 if quantized else 5),
             out_specs=full((t, h)),
             scratch_shapes=scratch,
         ),
@@ -334,4 +402,5 @@ def fused_moe_decode(
         top_k_weights,
         gate_up,
         down,
+        *((gate_up_scale, down_scale) if quantized else ()),
     )

@@ -543,6 +543,8 @@ def num_steps(m: int, n: int, cfg: GmmConfig) -> int:
 # tokens on v6e, 312 on tpu7x. Scheduled Qwen3 layer, fused vs two launches,
 # 2026-12-02: v6e 58 / 77 us at 1 token, 885 / 896 at 128, 959 / 990 at 512;
 # tpu7x 28 / 53 at 1, 414 / 442 at 256, 676 / 489 at 512 (there the MXU binds).
+# Per-channel int8 / fp8 weights: half the bytes, so half the tokens; int8 at
+# one token 33.0 / 51.3 us on v6e, fp8 17.1 / 42.4 on tpu7x.
 # Each stream item is one active expert's gate/up and down weights for a
 # block_i-wide slice of the intermediate dimension, about
 # FUSED_MOE_ITEM_BYTES: small enough that the last item's compute, which no
@@ -551,10 +553,24 @@ def num_steps(m: int, n: int, cfg: GmmConfig) -> int:
 FUSED_MOE_ITEM_BYTES = 4 * MiB
 
 
-def fused_moe_max_tokens(generation: str | None = None) -> int:
-    """Most tokens the one-launch layer takes on this generation (see above)."""
+# float8 weights on generations whose vector unit has no float8 conversion
+# (v5e, v5p, v6e): widening a slice costs more VALU bundles than its DMA
+# (v6e: 1968 bundles per 512-column piece against 479 for int8), and the
+# fused layer's extra rows add MXU work on top. Scheduled Qwen3 layer, e4m3
+# per channel on v6e, fused vs two launches: 49.7 / 68.9 us at 1 token,
+# 274.5 / 291.7 at 8, 746.6 / 704.3 at 64; so these take it to 8 tokens.
+FP8_VPU_GENERATIONS = ("tpu7x",)
+FUSED_MOE_SLOW_FP8_MAX_TOKENS = 8
+
+
+def fused_moe_max_tokens(generation: str | None = None, w_dtype=jnp.bfloat16) -> int:
+    """Most tokens the one-launch layer takes on this generation (see above):
+    one-byte weights carry the same flops in half the bytes, so half as many."""
     gen = get_generation(generation)
-    return int(gen.peak_flops / gen.hbm_bytes_per_s)
+    most = int(gen.peak_flops / gen.hbm_bytes_per_s * jnp.dtype(w_dtype).itemsize / 2)
+    if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and gen.name not in FP8_VPU_GENERATIONS:
+        return min(most, FUSED_MOE_SLOW_FP8_MAX_TOKENS)
+    return most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -598,11 +614,13 @@ def fused_moe_item_bytes(hidden: int, block_i: int, has_gate: bool, w_dtype) -> 
     return (3 if has_gate else 2) * hidden * block_i * jnp.dtype(w_dtype).itemsize
 
 
-def fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item) -> int:
+def fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized=False) -> int:
     """The weight ring plus the f32 accumulators, the hidden states and the
-    f32 temporaries of one item (projections, the down product)."""
+    f32 temporaries of one item (projections, the down product); quantized
+    weights add their slices widened to bf16."""
     rows = round_up(tokens, 16)
-    return buffers * item + rows * hidden * (4 * 4 + 2) + 3 * rows * block_i * 4
+    widened = 3 * block_i * hidden * 2 if quantized else 0
+    return buffers * item + rows * hidden * (4 * 4 + 2) + 3 * rows * block_i * 4 + widened
 
 
 def fused_moe_config(
@@ -616,23 +634,29 @@ def fused_moe_config(
     is_transposed: bool,
     is_concatenated: bool,
     has_bias: bool,
+    block_scales: bool = False,
     generation: str | None = None,
 ) -> FusedMoeConfig | None:
     """The one-launch layer's blocks, or None where the layer runs as two gmm
-    launches (more tokens; f32 or quantized weights; biases or GPT-OSS's
-    interleaved gate/up, which the kernel does not carry; an I whose gate/up
-    halves or slices would not start on a memory tile; no fit in VMEM)."""
+    launches (more tokens; f32 weights, or quantized ones with 128 x 128 block
+    scales; biases or GPT-OSS's interleaved gate/up, which the kernel does not
+    carry; an I whose gate/up halves, slices or scale slices would not start
+    on a memory tile; no fit in VMEM). int8 / fp8 weights with per-channel
+    scales are carried."""
     bf16 = jnp.dtype(jnp.bfloat16)
     gen = get_generation(generation)
-    if not 1 <= tokens <= fused_moe_max_tokens(gen.name) or has_bias:
+    quantized = is_quantized(w_dtype)
+    if not 1 <= tokens <= fused_moe_max_tokens(gen.name, w_dtype) or has_bias:
         return None
-    if jnp.dtype(hidden_dtype) != bf16 or jnp.dtype(w_dtype) != bf16:
+    if jnp.dtype(hidden_dtype) != bf16 or not (jnp.dtype(w_dtype) == bf16 or quantized):
+        return None
+    if block_scales or (quantized and inter % 128):  # scale slices start on lane tiles
         return None
     if has_gate and not is_concatenated:
         return None
     gu_transposed, _ = fused_moe_orientation(hidden, inter, has_gate, is_transposed)
     # The up half starts I rows (columns, transposed) into the expert.
-    if has_gate and inter % (128 if gu_transposed else sublane(w_dtype)):
+    if has_gate and inter % (128 if gu_transposed or quantized else sublane(w_dtype)):
         return None
     blocks = [inter] + [b for b in range(inter - 128, 0, -128) if b % 128 == 0 and inter % b == 0]
     small = [
@@ -644,6 +668,7 @@ def fused_moe_config(
     for block_i in small[:1] + [b for b in blocks if b not in small[:1]][::-1]:
         item = fused_moe_item_bytes(hidden, block_i, has_gate, w_dtype)
         for buffers in range(min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // item))), 1, -1):
-            if fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item) <= gen.vmem_budget:
+            need = fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized)
+            if need <= gen.vmem_budget:
                 return FusedMoeConfig(block_i, buffers, gen.vmem_budget)
     return None
