@@ -60,6 +60,7 @@ TGMM = "kernels/ragged_dot/ragged_dot_tpu/kernel_tgmm.py"
 RD = "kernels/ragged_dot/ragged_dot_tpu/api.py"
 RD_OPS = "kernels/ragged_dot/ragged_dot_tpu/ops.py"
 MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
+MOE_DEC = "kernels/ragged_dot/ragged_dot_tpu/kernel_moe_decode.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
 FA = "kernels/flash_attention/flash_attention_tpu/kernel_fwd.py"
 FA_BWD = "kernels/flash_attention/flash_attention_tpu/kernel_bwd.py"
@@ -75,6 +76,7 @@ T_RD_OP = "tests/ragged_dot/test_torch_op.py"
 T_QUANT = "tests/ragged_dot/test_quantized.py"
 T_ROUTE = "tests/ragged_dot/test_routing.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
+T_DEC = "tests/ragged_dot/test_moe_decode.py"
 T_EXP = "tests/ragged_dot/test_experts.py"
 T_FA = "tests/flash_attention/test_flash_attention.py"
 T_FA_OP = "tests/flash_attention/test_torch_op.py"
@@ -331,6 +333,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "w = jnp.where(valid, top_k_weights.reshape(-1).astype(jnp.bfloat16), 0.0)",
         (f"{T_MOE}::test_matches_transformers_grouped_mm_f32[qwen_mixtral]",),
         "moe: routing weights rounded to bf16 (wrong cast)",
+    ),
+    # -- the one-launch decode layer ---------------------------------------------
+    Mutant(
+        "dec-mask-by-zero-weight",
+        MOE_DEC,
+        "acc_ref[...] += jnp.where(chose, w * y, 0.0)",
+        "acc_ref[...] += w * y",
+        (f"{T_DEC}::test_non_finite_tokens_stay_their_own",),
+        "fused layer: tokens that did not pick the expert multiplied by 0 (NaN leaks)",
+    ),
+    Mutant(
+        "dec-slice-offset",
+        MOE_DEC,
+        "start = pl.multiple_of(p * inter + col, 128)",
+        "start = pl.multiple_of(p * inter, 128)",
+        (f"{T_DEC}::test_matches_transformers_per_element",),
+        "fused layer: every slice of an expert reads the gate/up rows of the first",
+    ),
+    Mutant(
+        "dec-up-scales",
+        MOE_DEC,
+        "y = y * gsbuf[slot, p].astype(jnp.float32)",
+        "y = y * gsbuf[slot, 0].astype(jnp.float32)",
+        (f"{T_DEC}::test_quantized_weights_match_the_same_rounding_points",),
+        "fused layer: the up projection scaled by the gate's scales",
     ),
     Mutant(
         "experts-unfused-unpermute",

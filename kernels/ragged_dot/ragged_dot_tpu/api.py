@@ -358,7 +358,8 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
             raise ValueError(
                 "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16"
                 " activations, bf16 or per-channel int8/fp8 weights, no biases, gate/up halves"
-                f" not interleaved, at most {tiling.fused_moe_max_tokens()} tokens); got"
+                f" not interleaved, at most {tiling.fused_moe_max_tokens(None, gate_up.dtype)}"
+                f" tokens with these weights); got"
                 f" {hidden.shape[0]} tokens of"
                 f" {hidden.dtype.name} with {gate_up.dtype.name} weights"
             )
