@@ -305,8 +305,8 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
 MOE_DECODE_POINTS = [
     ("moe_decode", "qwen3_30b_a3b", 1, "torch", "full", g) for g in GENERATIONS
 ] + [
-    ("moe_decode", "qwen3_30b_a3b", 512, "torch", "full", "v6e"),
-    ("moe_decode", "qwen3_30b_a3b", 256, "transposed", "full", "tpu7x"),
+    ("moe_decode", "qwen3_30b_a3b", 256, "torch", "full", "v6e"),
+    ("moe_decode", "qwen3_30b_a3b", 240, "transposed", "full", "tpu7x"),
     ("moe_decode", "qwen3_30b_a3b", 8, "torch", "tp8", "v6e"),
     ("moe_decode", "gemma4_26b_a4b", 8, "torch", "full", "tpu7x"),
     ("moe_decode", "mixtral_8x7b", 4, "transposed", "tp8", "v6e"),
@@ -314,7 +314,7 @@ MOE_DECODE_POINTS = [
     # per-channel int8 / fp8 weights (model, tokens, layout, shard, generation, dtype)
     ("moe_decode", "qwen3_30b_a3b", 1, "torch", "full", "v6e", "int8"),
     ("moe_decode", "qwen3_30b_a3b", 8, "torch", "full", "v6e", "float8_e4m3fn"),
-    ("moe_decode", "qwen3_30b_a3b", 156, "transposed", "full", "tpu7x", "float8_e4m3fn"),
+    ("moe_decode", "qwen3_30b_a3b", 120, "transposed", "full", "tpu7x", "float8_e4m3fn"),
     ("moe_decode", "mixtral_8x7b", 16, "transposed", "tp8", "v5e", "int8"),
 ]
 

@@ -355,11 +355,17 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
         # Blocks given by hand: the layer must be one the kernel carries.
         rule = _fused_config(arrays, dict(statics, config=None))
         if rule is None:
+            most = tiling.fused_moe_max_tokens(
+                hidden.shape[1],
+                inter,
+                config.block_i,
+                has_gate=statics["has_gate"],
+                w_dtype=gate_up.dtype,
+            )
             raise ValueError(
                 "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16"
                 " activations, bf16 or per-channel int8/fp8 weights, no biases, gate/up halves"
-                f" not interleaved, at most {tiling.fused_moe_max_tokens(None, gate_up.dtype)}"
-                f" tokens with these weights); got"
+                f" not interleaved, at most {most} tokens with these shapes); got"
                 f" {hidden.shape[0]} tokens of"
                 f" {hidden.dtype.name} with {gate_up.dtype.name} weights"
             )

@@ -20,8 +20,9 @@ second launch's prologue and epilogue. Here:
   (tokens that did not pick it are masked out, never multiplied by zero: their
   rows may be non-finite). Nothing is gathered, sorted or scattered. The MXU
   work this adds (all tokens instead of the expert's own) stays under the
-  expert's weight DMA up to ``tiling.fused_moe_max_tokens`` (560 tokens on
-  v6e, 312 on tpu7x); at a few tokens the pass is one sublane tile either way.
+  expert's weight DMA up to ``tiling.fused_moe_max_tokens`` (~270 tokens for
+  Qwen3 on v6e, ~100 for its TP-8 shard); at a few tokens the pass is one
+  sublane tile either way.
 * One weight stream, item (expert a, slice c) = the gate and up rows and the
   down columns of a block_i-wide slice of the intermediate dimension, through
   ``buffers`` VMEM slots with all but one in flight (the gmm kernel's ring).

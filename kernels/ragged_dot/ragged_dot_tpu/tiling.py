@@ -536,22 +536,28 @@ def num_steps(m: int, n: int, cfg: GmmConfig) -> int:
 # program pays ~20 small XLA fusions (sort, histogram, gathers, combine: 14 us
 # on v6e, 21 on tpu7x at one Qwen3 token, each waiting on its own DMAs) and a
 # second launch. The fused kernel computes every token against each active
-# expert and masks the sum, so it needs no sort and no gather; that costs
-# tokens x (2 flops per weight element) of MXU work per expert against one
-# read of its weights, so it pays while tokens x HBM bandwidth / peak flops
-# stays under 1 (bf16 weights: 2 bytes and 2 flops per element). That is 560
-# tokens on v6e, 312 on tpu7x. Scheduled Qwen3 layer, fused vs two launches,
-# 2026-12-02: v6e 58 / 77 us at 1 token, 885 / 896 at 128, 959 / 990 at 512;
-# tpu7x 28 / 53 at 1, 414 / 442 at 256, 676 / 489 at 512 (there the MXU binds).
-# Per-channel int8 / fp8 weights: half the bytes, so half the tokens; int8 at
-# one token 33.0 / 51.3 us on v6e, fp8 17.1 / 42.4 on tpu7x.
+# expert and masks the sum, so it needs no sort and no gather; that MXU work
+# grows with tokens x the expert's weights padded to the MXU width (a 96- or
+# 128-wide slice fills half of a 256-wide MXU), and the launch pays while it
+# stays under the expert's weight DMA. Its cost per row and padded weight
+# element, from the kernel's own schedules (2026-12-02): v6e 4.5e-15 s (Qwen3
+# TP-8, I = 96: 3.6 us per expert at 512 tokens; Mixtral TP-8, I = 1792 in
+# 128-wide slices: 58 us), about 2.2x the peak rate; tpu7x 2.2e-15 (Qwen3,
+# 5.3 us per expert at 512 tokens). Other generations: v6e's, scaled by
+# peak flops. That puts the limit at ~270 tokens for Qwen3 on v6e and ~245 on
+# tpu7x, ~100 for its TP-8 shard on v6e. Scheduled layer, fused vs two
+# launches: Qwen3 v6e 58 / 77 us at 1 token, 885 / 896 at 128 (959 / 990 at
+# 512, where the rule, which cannot see the two launches' XLA part, already
+# picks two launches); tpu7x 28 / 53 at 1, 676 / 489 at 512; Qwen3 TP-8 v6e
+# 132 / 139 at 64, 462 / 214 at 512; Mixtral TP-8 v6e 464 / 335 at 512.
+# Per-channel int8 / fp8 weights: half the bytes, so about half the tokens;
+# int8 at one token 33.0 / 51.3 us on v6e, fp8 17.1 / 42.4 on tpu7x.
 # Each stream item is one active expert's gate/up and down weights for a
-# block_i-wide slice of the intermediate dimension, about
-# FUSED_MOE_ITEM_BYTES: small enough that the last item's compute, which no
-# DMA hides, stays short; large enough that a DMA's fixed latency is a small
-# share of its transfer.
+# block_i-wide slice of the intermediate dimension: as wide as the MXU where
+# I allows, else about FUSED_MOE_ITEM_BYTES (small enough that the last
+# item's compute, which no DMA hides, stays short).
 FUSED_MOE_ITEM_BYTES = 4 * MiB
-
+FUSED_MOE_ROW_S_PER_ELEM = {"v6e": 4.5e-15, "tpu7x": 2.2e-15}
 
 # float8 weights on generations whose vector unit has no float8 conversion
 # (v5e, v5p, v6e): widening a slice costs more VALU bundles than its DMA
@@ -563,11 +569,32 @@ FP8_VPU_GENERATIONS = ("tpu7x",)
 FUSED_MOE_SLOW_FP8_MAX_TOKENS = 8
 
 
-def fused_moe_max_tokens(generation: str | None = None, w_dtype=jnp.bfloat16) -> int:
-    """Most tokens the one-launch layer takes on this generation (see above):
-    one-byte weights carry the same flops in half the bytes, so half as many."""
+def _row_s_per_elem(gen: Generation) -> float:
+    if gen.name in FUSED_MOE_ROW_S_PER_ELEM:
+        return FUSED_MOE_ROW_S_PER_ELEM[gen.name]
+    v6e = GENERATIONS["v6e"]
+    return FUSED_MOE_ROW_S_PER_ELEM["v6e"] * v6e.peak_flops / gen.peak_flops
+
+
+def fused_moe_max_tokens(
+    hidden: int,
+    inter: int,
+    block_i: int,
+    *,
+    has_gate: bool = True,
+    w_dtype=jnp.bfloat16,
+    generation: str | None = None,
+) -> int:
+    """Most tokens the one-launch layer takes (see above): its MXU work per
+    expert, all tokens against the weights padded to the MXU width, stays
+    under the expert's weight DMA."""
     gen = get_generation(generation)
-    most = int(gen.peak_flops / gen.hbm_bytes_per_s * jnp.dtype(w_dtype).itemsize / 2)
+    mats = 3 if has_gate else 2
+    padded = (
+        mats * round_up(block_i, gen.chunk_m) * round_up(hidden, gen.chunk_m) * (inter // block_i)
+    )
+    dma_s = mats * inter * hidden * jnp.dtype(w_dtype).itemsize / gen.hbm_bytes_per_s
+    most = int(dma_s / (padded * _row_s_per_elem(gen)))
     if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and gen.name not in FP8_VPU_GENERATIONS:
         return min(most, FUSED_MOE_SLOW_FP8_MAX_TOKENS)
     return most
@@ -638,35 +665,41 @@ def fused_moe_config(
     generation: str | None = None,
 ) -> FusedMoeConfig | None:
     """The one-launch layer's blocks, or None where the layer runs as two gmm
-    launches (more tokens; f32 weights, or quantized ones with 128 x 128 block
-    scales; biases or GPT-OSS's interleaved gate/up, which the kernel does not
-    carry; an I whose gate/up halves, slices or scale slices would not start
-    on a memory tile; no fit in VMEM). int8 / fp8 weights with per-channel
-    scales are carried."""
+    launches (more tokens than fused_moe_max_tokens; f32 weights, or quantized
+    ones with 128 x 128 block scales; biases or GPT-OSS's interleaved gate/up,
+    which the kernel does not carry; an I whose gate/up halves, slices or
+    scale slices would not start on a memory tile; no fit in VMEM). int8 /
+    fp8 weights with per-channel scales are carried."""
     bf16 = jnp.dtype(jnp.bfloat16)
     gen = get_generation(generation)
     quantized = is_quantized(w_dtype)
-    if not 1 <= tokens <= fused_moe_max_tokens(gen.name, w_dtype) or has_bias:
+    if tokens < 1 or has_bias or block_scales:
         return None
     if jnp.dtype(hidden_dtype) != bf16 or not (jnp.dtype(w_dtype) == bf16 or quantized):
         return None
-    if block_scales or (quantized and inter % 128):  # scale slices start on lane tiles
-        return None
     if has_gate and not is_concatenated:
+        return None
+    if quantized and inter % 128:  # scale slices start on lane tiles
         return None
     gu_transposed, _ = fused_moe_orientation(hidden, inter, has_gate, is_transposed)
     # The up half starts I rows (columns, transposed) into the expert.
     if has_gate and inter % (128 if gu_transposed or quantized else sublane(w_dtype)):
         return None
-    blocks = [inter] + [b for b in range(inter - 128, 0, -128) if b % 128 == 0 and inter % b == 0]
-    small = [
-        b
-        for b in blocks
-        if fused_moe_item_bytes(hidden, b, has_gate, w_dtype) <= FUSED_MOE_ITEM_BYTES
-    ]
+    item_of = lambda b: fused_moe_item_bytes(hidden, b, has_gate, w_dtype)  # noqa: E731
+    blocks = [inter] + [b for b in range(inter - 128, 0, -128) if inter % b == 0]
+    # MXU-wide slices where I allows (a narrower one half-fills the MXU): the
+    # widest within the item size, else the narrowest MXU-wide one.
+    wide = [b for b in blocks if b == inter or b % gen.chunk_m == 0]
+    fitting = [b for b in wide if item_of(b) <= FUSED_MOE_ITEM_BYTES]
+    order = fitting[:1] + wide[::-1] + blocks[::-1]
     in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
-    for block_i in small[:1] + [b for b in blocks if b not in small[:1]][::-1]:
-        item = fused_moe_item_bytes(hidden, block_i, has_gate, w_dtype)
+    for block_i in dict.fromkeys(order):
+        most = fused_moe_max_tokens(
+            hidden, inter, block_i, has_gate=has_gate, w_dtype=w_dtype, generation=gen.name
+        )
+        if tokens > most:
+            continue
+        item = item_of(block_i)
         for buffers in range(min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // item))), 1, -1):
             need = fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized)
             if need <= gen.vmem_budget:
