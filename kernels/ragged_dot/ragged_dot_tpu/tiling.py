@@ -551,7 +551,7 @@ def num_steps(m: int, n: int, cfg: GmmConfig) -> int:
 # picks two launches); tpu7x 28 / 53 at 1, 676 / 489 at 512; Qwen3 TP-8 v6e
 # 132 / 139 at 64, 462 / 214 at 512; Mixtral TP-8 v6e 464 / 335 at 512.
 # Per-channel int8 / fp8 weights: half the bytes, so about half the tokens;
-# int8 at one token 33.0 / 51.3 us on v6e, fp8 17.1 / 42.4 on tpu7x.
+# int8 at one token 32.1 / 51.3 us on v6e, fp8 17.0 / 42.4 on tpu7x.
 # Each stream item is one active expert's gate/up and down weights for a
 # block_i-wide slice of the intermediate dimension: as wide as the MXU where
 # I allows, else about FUSED_MOE_ITEM_BYTES (small enough that the last
