@@ -68,6 +68,20 @@ def to_jax(x, dtype=None):
     return a.astype(dtype) if dtype is not None else a
 
 
+def layer_kwargs(layout, e, **extra):
+    """moe_experts' layout arguments for `layout` (a LAYOUTS row), interpreted."""
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    return dict(
+        num_experts=e,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+        interpret=True,
+        **extra,
+    )
+
+
 def abs_bound_moe(
     hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_concatenated, activation
 ):

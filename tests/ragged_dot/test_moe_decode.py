@@ -25,7 +25,9 @@ from ragged_dot_tpu.api import moe_experts
 from moe_cases import abs_bound_moe as _abs_bound_moe
 from moe_cases import experts as _experts
 from moe_cases import routing as _routing
+from moe_cases import layer_kwargs as _kw
 from moe_cases import to_jax as _j
+from quantization import quantize
 from tolerances import assert_close
 
 BF = jnp.bfloat16
@@ -37,19 +39,6 @@ LAYOUTS = [
     ("gemma_like", True, False, True, False, "gelu_pytorch_tanh"),
     ("nemotron_h", False, False, True, False, "relu2"),
 ]
-
-
-def _kw(layout, e, **extra):
-    _, has_gate, is_transposed, is_conc, _, act = layout
-    return dict(
-        num_experts=e,
-        has_gate=has_gate,
-        is_transposed=is_transposed,
-        is_concatenated=is_conc,
-        activation=act,
-        interpret=True,
-        **extra,
-    )
 
 
 def _launches(fn, *args) -> list[str]:
@@ -122,18 +111,6 @@ def test_matches_transformers_per_element(t, k, layout, chunked, shard, bf16_wei
     assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
 
 
-def _quantize(w, dtype, out_axis):
-    """Symmetric per-output-channel quantization: (weights, [E, out] f32 scales)."""
-    w = jnp.asarray(w, jnp.float32)
-    in_axis = 3 - out_axis
-    qmax = 127.0 if jnp.dtype(dtype) == jnp.int8 else 448.0
-    amax = jnp.max(jnp.abs(w), axis=in_axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    q = w / scale
-    q = jnp.round(q) if jnp.dtype(dtype) == jnp.int8 else q
-    return q.astype(dtype), jnp.squeeze(scale, in_axis)
-
-
 @settings(max_examples=4, deadline=None)
 @given(
     t=st.sampled_from([1, 3, 8]),  # float8 takes one launch to 8 tokens on v5e / v6e
@@ -157,8 +134,8 @@ def test_quantized_weights_match_the_same_rounding_points(
     idx, w = _routing(t, k, e, seed=seed + 1)
     hid = _j(torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)), BF)
     _, has_gate, is_transposed, is_conc, _, act = layout
-    gu_q, gu_s = _quantize(_j(gu), w_dtype, 2 if is_transposed else 1)
-    dn_q, dn_s = _quantize(_j(dn), w_dtype, 2 if is_transposed else 1)
+    gu_q, gu_s = quantize(_j(gu), w_dtype, 2 if is_transposed else 1)
+    dn_q, dn_s = quantize(_j(dn), w_dtype, 2 if is_transposed else 1)
     gu_s, dn_s = gu_s.astype(s_dtype), dn_s.astype(s_dtype)
     num, off = (e, 0) if shard is None else (e - shard, shard)
     args = (hid, _j(idx).astype(jnp.int32), _j(w))

@@ -21,6 +21,7 @@ from ragged_dot_tpu.reference import tolerance
 from moe_cases import abs_bound_moe as _abs_bound_moe
 from moe_cases import experts as _experts
 from moe_cases import routing as _routing
+from moe_cases import layer_kwargs as _kw
 from moe_cases import to_jax as _j
 from tolerances import assert_close
 
@@ -32,18 +33,6 @@ LAYOUTS = [
     ("gemma_like", True, False, True, False, "gelu_pytorch_tanh"),
     ("nemotron_h", False, False, True, False, "relu2"),
 ]
-
-
-def _kw(layout, e):
-    _, has_gate, is_transposed, is_conc, _, act = layout
-    return dict(
-        num_experts=e,
-        has_gate=has_gate,
-        is_transposed=is_transposed,
-        is_concatenated=is_conc,
-        activation=act,
-        interpret=True,
-    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[l[0] for l in LAYOUTS])

@@ -393,15 +393,10 @@ def moe_experts_fwd(*arrays, **statics):
     if fused is None:
         return _program_fwd(*arrays, **statics)
     hidden, top_k_index, top_k_weights, gate_up, down = arrays[:5]
-    inter = down.shape[1] if statics["is_transposed"] else down.shape[2]
-    gu_t, dn_t = tiling.fused_moe_orientation(
-        hidden.shape[1], inter, statics["has_gate"], statics["is_transposed"]
-    )
-    # Swapped views where XLA stores a weight swapped: bitcasts, not HBM copies.
-    if gu_t != statics["is_transposed"]:
-        gate_up = jnp.swapaxes(gate_up, 1, 2)
-    if dn_t != statics["is_transposed"]:
-        down = jnp.swapaxes(down, 1, 2)
+    # Each weight as XLA stores it (gmm's rule), in gmm's terms: transpose_rhs
+    # is the torch layout, the kernel's "transposed" the other one.
+    gate_up, gu_torch, _ = _hbm_view(gate_up, not statics["is_transposed"])
+    down, dn_torch, _ = _hbm_view(down, not statics["is_transposed"])
     out = fused_moe_decode(
         hidden,
         top_k_index,
@@ -413,8 +408,8 @@ def moe_experts_fwd(*arrays, **statics):
         arrays[9],
         num_experts=statics["num_experts"],
         has_gate=statics["has_gate"],
-        gu_transposed=gu_t,
-        dn_transposed=dn_t,
+        gu_transposed=not gu_torch,
+        dn_transposed=not dn_torch,
         activation=statics["activation"],
         alpha=statics["alpha"],
         limit=statics["limit"],

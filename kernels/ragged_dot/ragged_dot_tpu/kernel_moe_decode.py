@@ -89,50 +89,7 @@ def _kernel(
 ):
     if quantized:
         gs_hbm, ds_hbm, *rest = rest
-    _body(*rest, ids_smem=ids_smem, goff_smem=goff_smem, x_hbm=x_hbm, ids_hbm=ids_hbm,
-          w_hbm=w_hbm, gu_hbm=gu_hbm, dn_hbm=dn_hbm, gs_hbm=gs_hbm if quantized else None,
-          ds_hbm=ds_hbm if quantized else None, tokens=tokens, top_k=top_k,
-          num_experts=num_experts, inter=inter, block_i=block_i, buffers=buffers,
-          has_gate=has_gate, gu_transposed=gu_transposed, dn_transposed=dn_transposed,
-          activation=activation, alpha=alpha, limit=limit)  # fmt: skip
-
-
-def _body(
-    out_ref,
-    gbuf,
-    dbuf,
-    sem,
-    seen,
-    active,
-    acc_ref,
-    x_ref,
-    ids_ref,
-    w_ref,
-    in_sem,
-    *rest,
-    ids_smem,
-    goff_smem,
-    x_hbm,
-    ids_hbm,
-    w_hbm,
-    gu_hbm,
-    dn_hbm,
-    gs_hbm,
-    ds_hbm,
-    tokens,
-    top_k,
-    num_experts,
-    inter,
-    block_i,
-    buffers,
-    has_gate,
-    gu_transposed,
-    dn_transposed,
-    activation,
-    alpha,
-    limit,
-):
-    quantized = gs_hbm is not None
+    out_ref, gbuf, dbuf, sem, seen, active, acc_ref, x_ref, ids_ref, w_ref, in_sem, *rest = rest
     if quantized:
         gsbuf, dsbuf, *rest = rest
     (yacc_ref,) = rest if rest else (None,)

@@ -627,16 +627,6 @@ def check_fused_moe_config(cfg: FusedMoeConfig, inter: int) -> None:
         raise ValueError(f"config.buffers: expected 2 or more, got {cfg.buffers}")
 
 
-def fused_moe_orientation(hidden, inter, has_gate, is_transposed) -> tuple[bool, bool]:
-    """(gate_up, down) as the one-launch kernel reads them: True for [E, in, out]
-    ([E, H, 2I], [E, I, H]). The model's orientation, swapped where XLA stores
-    the weight with its minor dims swapped (weight_minor_swapped)."""
-    n = 2 * inter if has_gate else inter
-    gu = (hidden, n) if is_transposed else (n, hidden)
-    dn = (inter, hidden) if is_transposed else (hidden, inter)
-    return tuple(is_transposed != weight_minor_swapped((1, *shape)) for shape in (gu, dn))
-
-
 def fused_moe_item_bytes(hidden: int, block_i: int, has_gate: bool, w_dtype) -> int:
     return (3 if has_gate else 2) * hidden * block_i * jnp.dtype(w_dtype).itemsize
 
@@ -681,8 +671,12 @@ def fused_moe_config(
         return None
     if quantized and inter % 128:  # scale slices start on lane tiles
         return None
-    gu_transposed, _ = fused_moe_orientation(hidden, inter, has_gate, is_transposed)
-    # The up half starts I rows (columns, transposed) into the expert.
+    # gate_up as the kernel reads it, as XLA stores it (api._hbm_view): True
+    # for [E, H, 2I]. Its up half starts I rows (columns there) into the expert.
+    n = 2 * inter if has_gate else inter
+    gu_transposed = is_transposed != weight_minor_swapped(
+        (1, *((hidden, n) if is_transposed else (n, hidden)))
+    )
     if has_gate and inter % (128 if gu_transposed or quantized else sublane(w_dtype)):
         return None
     item_of = lambda b: fused_moe_item_bytes(hidden, b, has_gate, w_dtype)  # noqa: E731
