@@ -79,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rmsnorm-tokens", type=_ints, default=None)
     p.add_argument("--attention-seqs", type=_ints, default=None)
     p.add_argument(
+        "--attention-head-dims",
+        type=_ints,
+        default=None,
+        help="attention head dims (default 128)",
+    )
+    p.add_argument(
         "--attention-directions",
         type=_strs,
         default=None,
@@ -197,8 +203,10 @@ def build_tasks(args):
         if bad:
             raise SystemExit(f"--attention-directions: unknown {bad}; known: fwd, train")
         for n in seqs:
-            for d in dirs:
-                tasks += [(i, points.AttentionPoint(n, direction=d)) for i in impls("attention")]
+            for hd in args.attention_head_dims or [128]:
+                for d in dirs:
+                    pt = points.AttentionPoint(n, head_dim=hd, direction=d)
+                    tasks += [(i, pt) for i in impls("attention")]
     if "decode_attention" in args.kernels:
         batches = args.decode_batches or list(points.DECODE_BATCHES)
         contexts = args.decode_contexts or list(points.DECODE_CONTEXTS)

@@ -38,7 +38,9 @@ from . import llo, schedule
 from .xla_cost import array_bytes
 
 _COPY_START = re.compile(r"%copy-start[\w.]* = \((\w+)\[([\d,]*)\]")
-_CUSTOM_CALL = re.compile(r"%([\w.\-]+) = \S+ custom-call\(")
+# A kernel with several outputs has a tuple type, "(bf16[..]{..}, f32[..]{..})",
+# spaces included: the type is matched lazily up to the custom-call.
+_CUSTOM_CALL = re.compile(r"%([\w.\-]+) = [^\n]*? custom-call\(")
 # A fusion longer than this many bundles (XLA's lax.ragged_dot lowering, a
 # masked convolution estimated at 1e10 cycles) is cut off and reported
 # incomplete rather than run for minutes.

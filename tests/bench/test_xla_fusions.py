@@ -104,3 +104,17 @@ def test_a_fusion_that_cannot_see_its_loop_bounds_is_charged_its_operands():
     dots = [f for f in s.fusions if not f.name.startswith("copy")]
     assert any(f.floored for f in dots), dots[:4]
     assert sum(f.us for f in dots) >= weights / schedule.copy_bytes_per_s("v6e") * 1e6
+
+
+def test_a_pallas_kernel_with_several_outputs_is_not_an_xla_fusion():
+    # Flash attention's forward returns (o, lse): a tuple-typed custom call.
+    # Its bundles sit beside the fusions' in the dumps; charged as a fusion
+    # they doubled the kernel's time whenever its run fit under MAX_BUNDLES.
+    from flash_attention_tpu import api
+
+    q = jax.ShapeDtypeStruct((1, 4, 1024, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1, 1024, 128), jnp.bfloat16)
+    s = xla_fusions.schedule_xla_parts(
+        lambda q, k, v: api.flash_attention(q, k, v, causal=True, config="v6e"), [q, k, k], "v6e"
+    )
+    assert not [f.name for f in s.fusions if "flash_attention" in f.name], s.fusions

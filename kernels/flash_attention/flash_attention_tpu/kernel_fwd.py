@@ -49,6 +49,7 @@ from . import schedule as bsched
 from . import tiling
 
 NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN
+ONES_ROWS = 16  # the forward's row of ones below V^T, padded to a packed bf16 tile
 NT_DIMS = (((1,), (1,)), ((), ()))
 NN_DIMS = (((1,), (0,)), ((), ()))
 
@@ -77,6 +78,14 @@ class KernelParams:
     @property
     def heads_in_block(self) -> int:
         return 1 if self.geom.seq_major else self.group
+
+    @property
+    def fwd_unit(self) -> int:
+        """Positions of a q block whose softmax state the forward keeps as one
+        unit: a masked sub-tile's rows, else a slab, else the whole block."""
+        if self.sub is not None:
+            return self.sub[0]
+        return self.slab or self.geom.block_pos
 
 
 # ---------------------------------------------------------------------------
@@ -220,7 +229,7 @@ def _keys(ref, k0, ck):
 
 
 def _run_pair(prm, i, j, flags, tile):
-    """Dispatches one schedule step to tile(masked, r0, rc, k0, ck).
+    """Dispatches one step of the backward kernels to tile(masked, r0, rc, k0, ck).
 
     Fully visible pairs run one whole-block tile without mask work. Masked
     pairs of dense calls are cut into sub-tiles and only those that hold a
@@ -259,36 +268,98 @@ def _run_pair(prm, i, j, flags, tile):
 
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
-        if prm.slab is None:
-            tile(False, 0, br, 0, bkv)
-            return
-
-        # A whole-block score tile is scheduled as one long chain (all MXU
-        # pops, then every row max, every exp, the PV matmul), its f32 tile
-        # spilled to VMEM between them; slabs of ~256 matmul rows in a loop
-        # keep each chain short (v6e d=128: 8,957 -> 5,408 bundles a pair).
-        def body(a, carry):
-            tile(False, pl.multiple_of(a * prm.slab, prm.slab), prm.slab, 0, bkv)
-            return carry
-
-        lax.fori_loop(0, br // prm.slab, body, 0)
+        tile(False, 0, br, 0, bkv)
 
 
 # ---------------------------------------------------------------------------
-# Forward kernel: q-major schedule, online softmax.
+# Forward kernel: q-major schedule, online softmax, transposed tiles.
+#
+# The forward computes every tile transposed: scores s^T = K q^T [keys, rows]
+# and the output acc^T = V^T p^T [Dv, rows], with the query rows in lanes.
+# The MXU result pops (one f32 vreg a bundle) bind the forward's schedule:
+# row-major, p @ V at Dv = 128 half-fills the 256-wide result of v6e/tpu7x and
+# pops both halves of every 256-key partial (512 pops per 256 rows x 1024
+# keys); transposed, the rows fill the result's width (384 pops). The
+# softmax statistics become lane-dense rows, the row maximum a VALU
+# reduction over sublanes instead of cross-lane XLU work, and alpha a
+# sublane broadcast.
+#
+# V is transposed once per step into VMEM, below a row of ones (padded to a
+# packed bf16 tile of 16 rows): the PV matmul then also yields the row sums
+# l = sum(p), rescaled with the accumulator, where 256 VALU adds a tile did
+# it before (v6e T = 8k causal: 2,410 -> 2,104 us). l is thus the sum of
+# the p the numerator uses, rounded to V's dtype. The output is transposed
+# once per q block, at the end.
+#
+# The units of a fully visible pair are unrolled (a Python loop): the
+# scheduler gets independent chains with disjoint, static state addresses
+# to interleave, where a fori_loop ran each unit's pops -> max -> exp ->
+# matmul phases one after another (v6e 3,228 -> 3,129 us at 64-position
+# units, tpu7x 2,168 -> 2,037).
 
 
-def _fwd_kernel(sched_ref, *refs, prm: KernelParams):
+def _fwd_pairs(prm, i, j, flags, tile):
+    """Dispatches one schedule step to tile(masked, a, k0, ck), a = unit index.
+
+    Like _run_pair, but every tile covers exactly one state unit of
+    `prm.fwd_unit` positions (its statistics and accumulator live per unit).
+    """
+    g = prm.geom
+    bkv, unit = g.block_kv, prm.fwd_unit
+    units = g.block_pos // unit
+    compute = _flag(flags, bsched.COMPUTE)
+    masked = _flag(flags, bsched.MASK)
+
+    @pl.when(jnp.logical_and(compute, masked))
+    def _masked():
+        for a in range(units):
+            if prm.sub is None:
+                tile(True, a, 0, bkv)
+                continue
+            ck = prm.sub[1]
+            c_lo, c_hi = bsched.chunk_bounds(
+                i,
+                j,
+                a,
+                geom=g,
+                sub=prm.sub,
+                q_offset=prm.q_offset,
+                left=prm.left,
+                right=prm.right,
+                xp=jnp,
+            )
+
+            def body(c, carry, a=a):
+                tile(True, a, pl.multiple_of(c * ck, ck), ck)
+                return carry
+
+            lax.fori_loop(c_lo, c_hi, body, 0)
+
+    @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
+    def _full():
+        if units == 1:
+            tile(False, 0, 0, bkv)
+            return
+
+        for a in range(units):
+            tile(False, a, 0, bkv)
+
+
+def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     refs = list(refs)
     sinks_ref = refs.pop(0) if prm.has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
     refs = refs[3:]
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
-    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs  # m, l: (Gb, br, 1); acc: (Gb, br, Dv)
+    # m: (units, 1, Gb * unit); acc: (units, Dv + 16, Gb * unit), row Dv = l;
+    # vt: (Dv + 16, bkv), row Dv = ones
+    o_ref, lse_ref, m_ref, acc_ref, vt_ref = refs
+    dv = prm.head_dim_v
 
     g = prm.geom
-    gb, rows = prm.heads_in_block, g.rows
+    gb, unit = prm.heads_in_block, prm.fwd_unit
+    units = g.block_pos // unit
     kv_tail = g.kv_len % g.block_kv != 0
     h = pl.program_id(1)
     i, j, flags = _decode(sched_ref, pl.program_id(2))
@@ -296,69 +367,83 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams):
     @pl.when(_flag(flags, bsched.INIT))
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def tile(masked, r0, rc, k0, ck):
-        n = gb * rc
-        q = _rows(q_ref, r0, rc).reshape(n, prm.head_dim)
+    @pl.when(_flag(flags, bsched.COMPUTE))
+    def _transpose_v():
+        vt_ref[0:dv, :] = jnp.transpose(v_ref[...])
+        ones = lax.broadcasted_iota(jnp.int32, (ONES_ROWS, vt_ref.shape[1]), 0) == 0
+        vt_ref[dv:, :] = ones.astype(vt_ref.dtype)
+
+    def tile(masked, a, k0, ck):
+        n = gb * unit
+        r0 = a * unit if isinstance(a, int) else pl.multiple_of(a * unit, unit)
+        q = _rows(q_ref, r0, unit).reshape(n, prm.head_dim)
         k = _keys(k_ref, k0, ck)
-        v = _keys(v_ref, k0, ck)
+        vt = vt_ref[...] if ck == vt_ref.shape[1] else vt_ref[:, pl.ds(k0, ck)]
         if masked:
-            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, False, k0, ck)
-            if kv_tail:
-                v = _zero_tail_rows(v, _row_to_col(kvalid.astype(jnp.int32)) != 0)
-        s, _ = _logits(prm, lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32))
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            if kv_tail:  # unspecified data past the end must not reach the matmul
+                kpos = j * g.block_kv + k0 + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
+                vt = jnp.where(kpos < g.kv_len, vt, jnp.zeros_like(vt))
+        s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         if masked:
-            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, True, r0, rc)
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, unit)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             s = jnp.where(mask, s, NEG_INF)
-        m_prev = _rows(m_ref, r0, rc).reshape(n, 1)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_prev = m_ref[a]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
         p = jnp.exp(s - m_new)
         if masked:
             p = jnp.where(mask, p, 0.0)  # rows with nothing visible yet
         alpha = jnp.exp(m_prev - m_new)
-        l_new = alpha * _rows(l_ref, r0, rc).reshape(n, 1) + jnp.sum(p, axis=1, keepdims=True)
-        acc = alpha * _rows(acc_ref, r0, rc).reshape(n, prm.head_dim_v) + lax.dot_general(
-            p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32
+        p = p.astype(vt.dtype)
+        if interpret and vt.dtype != jnp.float32:
+            # XLA:CPU has no bf16 x bf16 -> f32 dot for this operand order; the
+            # products of two bf16 values are exact in f32, so it is the same sum.
+            vt, p = vt.astype(jnp.float32), p.astype(jnp.float32)
+        acc_ref[a] = alpha * acc_ref[a] + lax.dot_general(
+            vt, p, NN_DIMS, preferred_element_type=jnp.float32
         )
-        _set_rows(m_ref, r0, rc, m_new.reshape(gb, rc, 1))
-        _set_rows(l_ref, r0, rc, l_new.reshape(gb, rc, 1))
-        _set_rows(acc_ref, r0, rc, acc.reshape(gb, rc, prm.head_dim_v))
+        m_ref[a] = m_new
 
-    _run_pair(prm, i, j, flags, tile)
+    _fwd_pairs(prm, i, j, flags, tile)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
-        m = m_ref[...].reshape(rows, 1)
-        l = l_ref[...].reshape(rows, 1)
-        acc = acc_ref[...].reshape(rows, prm.head_dim_v)
-        if prm.has_sinks:
-            sink = _sink_col(prm, sinks_ref, h, i)
-            m_fin = jnp.maximum(m, sink)
-            keep = jnp.exp(m - m_fin)
-            l = l * keep + jnp.exp(sink - m_fin)
-            acc = acc * keep
-            m = m_fin
-        empty = l == 0.0
-        inv = 1.0 / jnp.where(empty, 1.0, l)
-        o_ref[...] = (acc * inv).reshape(o_ref.shape).astype(o_ref.dtype)
-        lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-        lse_ref[...] = _split_rows(_col_to_row(lse), gb)
+        for a in range(units):
+            m, acc = m_ref[a], acc_ref[a]
+            l, acc = acc[dv : dv + 1], acc[:dv]
+            if prm.has_sinks:
+                sink = _sink_row(prm, sinks_ref, h, i, a)
+                m_fin = jnp.maximum(m, sink)
+                keep = jnp.exp(m - m_fin)
+                l = l * keep + jnp.exp(sink - m_fin)
+                acc = acc * keep
+                m = m_fin
+            empty = l == 0.0
+            inv = 1.0 / jnp.where(empty, 1.0, l)
+            out = jnp.transpose(acc * inv).reshape(gb, unit, dv)
+            lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+            if units == 1:
+                o_ref[...] = out.astype(o_ref.dtype)
+                lse_ref[...] = _split_rows(lse, gb)
+            else:
+                o_ref[:, a * unit : (a + 1) * unit] = out.astype(o_ref.dtype)
+                lse_ref[:, a * unit : (a + 1) * unit] = _split_rows(lse, gb)
 
 
-def _sink_col(prm, sinks_ref, h, i):
-    """(R, 1) sink logit of each matmul row's query head."""
-    g, grp = prm.geom, prm.group
+def _sink_row(prm, sinks_ref, h, i, a):
+    """(1, Gb * unit) sink logit of each query row of state unit a, in lane order."""
+    g, grp, unit = prm.geom, prm.group, prm.fwd_unit
     if not g.seq_major:
-        br = g.block_pos
-        cols = [jnp.full((br, 1), sinks_ref[h * grp + hg], jnp.float32) for hg in range(grp)]
-        return jnp.concatenate(cols, axis=0) if grp > 1 else cols[0]
+        rows = [jnp.full((1, unit), sinks_ref[h * grp + hg], jnp.float32) for hg in range(grp)]
+        return jnp.concatenate(rows, axis=1) if grp > 1 else rows[0]
     # Decode layout: global row r holds head r % G (float floor is exact here).
-    r = (i * g.rows + lax.broadcasted_iota(jnp.int32, (g.rows, 1), 0)).astype(jnp.float32)
+    lane = lax.broadcasted_iota(jnp.int32, (1, unit), 1)
+    r = (i * g.rows + a * unit + lane).astype(jnp.float32)
     head = r - jnp.floor((r + 0.5) * (1.0 / grp)) * grp
-    out = jnp.zeros((g.rows, 1), jnp.float32)
+    out = jnp.zeros((1, unit), jnp.float32)
     for hg in range(grp):
         out = jnp.where(head == float(hg), sinks_ref[h * grp + hg], out)
     return out
@@ -442,11 +527,12 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
         jax.ShapeDtypeStruct(q5.shape[:4], jnp.float32),
     )
     out_specs = (q_spec(prm.head_dim_v), row_spec)
-    gb, br = prm.heads_in_block, g.block_pos
+    gb, unit = prm.heads_in_block, prm.fwd_unit
+    units = g.block_pos // unit
     scratch = [
-        pltpu.VMEM((gb, br, 1), jnp.float32),
-        pltpu.VMEM((gb, br, 1), jnp.float32),
-        pltpu.VMEM((gb, br, prm.head_dim_v), jnp.float32),
+        pltpu.VMEM((units, 1, gb * unit), jnp.float32),
+        pltpu.VMEM((units, prm.head_dim_v + ONES_ROWS, gb * unit), jnp.float32),
+        pltpu.VMEM((prm.head_dim_v + ONES_ROWS, g.block_kv), v.dtype),
     ]
     steps = sched.shape[0]
     itemsize = q5.dtype.itemsize
@@ -458,7 +544,7 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
         ),
     )
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, prm=prm),
+        functools.partial(_fwd_kernel, prm=prm, interpret=bool(interpret)),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,

@@ -28,14 +28,15 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   sub-tiles and only sub-tiles with a visible entry are computed, so a
   diagonal pair costs about half a block: 256 matches the v6e/tpu7x MXU
   (256 wide), 128 the v5e MXU.
-* Forward slabs (`slab_rows`). The compiler schedules a whole-block score
-  tile as one dependency chain: every MXU result pop (one f32 vreg a
-  bundle), then the row maxima, every exp, the PV matmul, with the f32 tile
-  spilled to VMEM between them. A loop over slabs of the block's rows keeps
-  each chain short. Scheduled v6e, T = 8k causal, 32/8 heads: 256 rows a
-  slab takes d=64/128/256 from 4,749/4,821/5,011 to 3,953/3,981/4,158 us
-  (128 or 512 rows: slower); tpu7x d=128, 512 rows: 3,307 -> 3,244 (256
-  rows: 3,360).
+* Forward slabs (`slab_rows`). The forward keeps its softmax state per
+  unit of a q block's positions (kernel_fwd.py: a masked sub-tile's rows,
+  else a slab, else the whole block) and unrolls the units of a fully
+  visible pair, so the scheduler interleaves one unit's MXU pops with
+  another's exps. Scheduled, T = 8k causal, 32/8 heads, with the
+  transposed tiles: v6e d=128 at 256 / 512 / 1024 slab rows 3,129 / 2,410
+  / 2,403 us (the row sums by the MXU later took 512 to 2,104); d=256
+  3,041 -> 2,359 at 512; tpu7x d=128 512 / 1024 rows 2,037 / 2,126, d=256
+  without a slab 2,881, 512 rows 2,942.
 * Backward blocks are smaller: the dK/dV kernel keeps four rows x block_kv
   f32 temporaries live (s, p, dp, ds).
 
@@ -118,12 +119,12 @@ BLOCK_TABLE = {
     ("v5e", "decode", 128): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
-    ("v6e", "prefill", 128): _b(512, 512, 512, 512, slab=256),
-    ("v6e", "prefill", 192): _b(512, 512, 256, 512, slab=256),
-    ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=256),
-    ("v6e", "long", 128): _b(512, 1024, 512, 512, slab=256),
-    ("v6e", "long", 192): _b(512, 1024, 256, 512, slab=256),
-    ("v6e", "long", 256): _b(512, 1024, 256, 512, slab=256),
+    ("v6e", "prefill", 128): _b(512, 512, 512, 512, slab=512),
+    ("v6e", "prefill", 192): _b(512, 512, 256, 512, slab=512),
+    ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=512),
+    ("v6e", "long", 128): _b(512, 1024, 512, 512, slab=512),
+    ("v6e", "long", 192): _b(512, 1024, 256, 512, slab=512),
+    ("v6e", "long", 256): _b(512, 1024, 256, 512, slab=512),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
