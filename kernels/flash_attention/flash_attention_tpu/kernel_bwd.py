@@ -23,15 +23,14 @@ from .kernel_fwd import (
     _decode,
     _flag,
     _flat_rows,
+    _fwd_pairs,
     _k_side,
     _keys,
     _logits,
     _meta_inputs,
     _q_side,
-    _row_to_col,
     _rows,
     _run_pair,
-    _set_rows,
     _visible,
     _zero_tail_rows,
 )
@@ -106,19 +105,23 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams):
 
 
 # ---------------------------------------------------------------------------
-# dQ kernel: q-major schedule like the forward.
+# dQ kernel: q-major schedule like the forward, and transposed like it
+# (kernel_fwd.py): dS^T [keys, rows] from K q^T and V dO^T, dQ^T = K^T dS^T
+# [D, rows], with lse and delta as the lane rows they are stored as; K^T is
+# stored once per step, dQ transposed once per q block.
 
 
-def _dq_kernel(sched_ref, *refs, prm: KernelParams):
+def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     refs = refs[6:]
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
-    dq_ref, dq_acc = refs  # dq_acc: (Gb, br, D)
+    dq_ref, dq_acc, kt_ref = refs  # dq_acc: (units, D, Gb * unit); kt: (D, bkv)
 
     g = prm.geom
-    gb = prm.heads_in_block
+    gb, unit = prm.heads_in_block, prm.fwd_unit
+    units = g.block_pos // unit
     kv_tail = g.kv_len % g.block_kv != 0
     i, j, flags = _decode(sched_ref, pl.program_id(2))
 
@@ -126,38 +129,52 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams):
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    def tile(masked, r0, rc, k0, ck):
-        n = gb * rc
-        q = _rows(q_ref, r0, rc).reshape(n, prm.head_dim)
-        do = _rows(do_ref, r0, rc).reshape(n, prm.head_dim_v)
-        lse = _row_to_col(_flat_rows(_rows(lse_ref, r0, rc)))
-        delta = _row_to_col(_flat_rows(_rows(delta_ref, r0, rc)))
+    @pl.when(_flag(flags, bsched.COMPUTE))
+    def _transpose_k():
+        kt_ref[...] = jnp.transpose(k_ref[...])
+
+    def tile(masked, a, k0, ck):
+        n = gb * unit
+        r0 = a * unit if isinstance(a, int) else pl.multiple_of(a * unit, unit)
+        q = _rows(q_ref, r0, unit).reshape(n, prm.head_dim)
+        do = _rows(do_ref, r0, unit).reshape(n, prm.head_dim_v)
+        lse = _flat_rows(_rows(lse_ref, r0, unit))
+        delta = _flat_rows(_rows(delta_ref, r0, unit))
         k = _keys(k_ref, k0, ck)
         v = _keys(v_ref, k0, ck)
+        kt = kt_ref[...] if ck == kt_ref.shape[1] else kt_ref[:, pl.ds(k0, ck)]
         if masked:
-            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, False, k0, ck)
-            if kv_tail:
-                kvalid_col = _row_to_col(kvalid.astype(jnp.int32)) != 0
-                k = _zero_tail_rows(k, kvalid_col)
-                v = _zero_tail_rows(v, kvalid_col)
-        s, t = _logits(prm, lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32))
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            if kv_tail:  # keep dS finite (0) past the end (softcap's tanh, dP), and K^T dS
+                k = _zero_tail_rows(k, kvalid)
+                v = _zero_tail_rows(v, kvalid)
+                kpos = j * g.block_kv + k0 + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
+                kt = jnp.where(kpos < g.kv_len, kt, jnp.zeros_like(kt))
+        s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         p = jnp.exp(s - lse)
         if masked:
-            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, True, r0, rc)
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, unit)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dq = lax.dot_general(ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32)
-        _set_rows(dq_acc, r0, rc, _rows(dq_acc, r0, rc) + dq.reshape(gb, rc, prm.head_dim))
+        ds = ds.astype(kt.dtype)
+        if interpret and kt.dtype != jnp.float32:  # see kernel_fwd: the same exact sum
+            kt, ds = kt.astype(jnp.float32), ds.astype(jnp.float32)
+        dq_acc[a] += lax.dot_general(kt, ds, NN_DIMS, preferred_element_type=jnp.float32)
 
-    _run_pair(prm, i, j, flags, tile)
+    _fwd_pairs(prm, i, j, flags, tile)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
-        dq_ref[...] = (dq_acc[...] * prm.scale).astype(dq_ref.dtype)
+        for a in range(units):
+            out = jnp.transpose(dq_acc[a] * prm.scale).reshape(gb, unit, prm.head_dim)
+            if units == 1:
+                dq_ref[...] = out.astype(dq_ref.dtype)
+            else:
+                dq_ref[:, a * unit : (a + 1) * unit] = out.astype(dq_ref.dtype)
 
 
 def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
@@ -206,8 +223,9 @@ def dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
     args, specs, q_spec, _ = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, True, batch_meta)
+    unit = prm.fwd_unit
     return pl.pallas_call(
-        functools.partial(_dq_kernel, prm=prm),
+        functools.partial(_dq_kernel, prm=prm, interpret=bool(interpret)),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -215,7 +233,10 @@ def dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
             in_specs=specs,
             out_specs=q_spec(prm.head_dim),
             scratch_shapes=[
-                pltpu.VMEM((prm.heads_in_block, g.block_pos, prm.head_dim), jnp.float32)
+                pltpu.VMEM(
+                    (g.block_pos // unit, prm.head_dim, prm.heads_in_block * unit), jnp.float32
+                ),
+                pltpu.VMEM((prm.head_dim, g.block_kv), k.dtype),
             ],
         ),
         compiler_params=_compiler_params(prm),
