@@ -189,6 +189,13 @@ def _lacks(hit: Compiled, want_cycles: bool, want_schedule: bool) -> bool:
     )
 
 
+# Bumped whenever what a cached record holds is computed differently (how the
+# XLA part is charged): records of an older instrument are then misses, not
+# stale figures. 2: a Pallas kernel with several outputs is no longer also
+# charged as an XLA fusion (xla_fusions._CUSTOM_CALL).
+INSTRUMENT_VERSION = 2
+
+
 class CompileCache:
     """(key, generation) -> Compiled, optionally persisted as JSON lines."""
 
@@ -226,7 +233,7 @@ class CompileCache:
 
     @staticmethod
     def _k(key, generation) -> str:
-        return json.dumps([key, generation], sort_keys=True, default=str)
+        return json.dumps([key, generation, INSTRUMENT_VERSION], sort_keys=True, default=str)
 
     def get(
         self,

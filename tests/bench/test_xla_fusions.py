@@ -118,3 +118,21 @@ def test_a_pallas_kernel_with_several_outputs_is_not_an_xla_fusion():
         lambda q, k, v: api.flash_attention(q, k, v, causal=True, config="v6e"), [q, k, k], "v6e"
     )
     assert not [f.name for f in s.fusions if "flash_attention" in f.name], s.fusions
+
+
+def test_a_record_of_an_older_instrument_is_compiled_again(tmp_path, monkeypatch):
+    # A compile cache reused across an instrument change (the main job's
+    # results/ folder) must not hand back figures the old instrument computed.
+    import types
+
+    from bench import xla_cost
+
+    path = str(tmp_path / "cache.jsonl")
+    spec = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    first = xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec])
+    assert first.ok
+    again = types.SimpleNamespace(ok=True, error=None, to_json=lambda: {})
+    monkeypatch.setattr(xla_cost, "compile_program", lambda *a, **k: again)
+    assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is not again
+    monkeypatch.setattr(xla_cost, "INSTRUMENT_VERSION", xla_cost.INSTRUMENT_VERSION + 1)
+    assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is again
