@@ -21,16 +21,19 @@ from .kernel_fwd import (
     _common_specs,
     _compiler_params,
     _decode,
+    _dot_nn_f32,
     _flag,
     _flat_rows,
-    _fwd_pairs,
+    _unit_pairs,
     _k_side,
+    _key_valid_row,
     _keys,
     _logits,
     _meta_inputs,
     _q_side,
     _rows,
     _run_pair,
+    _set_rows,
     _visible,
     _zero_tail_rows,
 )
@@ -120,7 +123,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     dq_ref, dq_acc, kt_ref = refs  # dq_acc: (units, D, Gb * unit); kt: (D, bkv)
 
     g = prm.geom
-    gb, unit = prm.heads_in_block, prm.fwd_unit
+    gb, unit = prm.heads_in_block, prm.unit
     units = g.block_pos // unit
     kv_tail = g.kv_len % g.block_kv != 0
     i, j, flags = _decode(sched_ref, pl.program_id(2))
@@ -134,8 +137,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         kt_ref[...] = jnp.transpose(k_ref[...])
 
     def tile(masked, a, k0, ck):
-        n = gb * unit
-        r0 = a * unit if isinstance(a, int) else pl.multiple_of(a * unit, unit)
+        n, r0 = gb * unit, a * unit
         q = _rows(q_ref, r0, unit).reshape(n, prm.head_dim)
         do = _rows(do_ref, r0, unit).reshape(n, prm.head_dim_v)
         lse = _flat_rows(_rows(lse_ref, r0, unit))
@@ -148,8 +150,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             if kv_tail:  # keep dS finite (0) past the end (softcap's tanh, dP), and K^T dS
                 k = _zero_tail_rows(k, kvalid)
                 v = _zero_tail_rows(v, kvalid)
-                kpos = j * g.block_kv + k0 + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
-                kt = jnp.where(kpos < g.kv_len, kt, jnp.zeros_like(kt))
+                kt = jnp.where(_key_valid_row(prm, j, k0, ck), kt, jnp.zeros_like(kt))
         s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         p = jnp.exp(s - lse)
         if masked:
@@ -160,21 +161,15 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        ds = ds.astype(kt.dtype)
-        if interpret and kt.dtype != jnp.float32:  # see kernel_fwd: the same exact sum
-            kt, ds = kt.astype(jnp.float32), ds.astype(jnp.float32)
-        dq_acc[a] += lax.dot_general(kt, ds, NN_DIMS, preferred_element_type=jnp.float32)
+        dq_acc[a] += _dot_nn_f32(kt, ds.astype(kt.dtype), interpret)
 
-    _fwd_pairs(prm, i, j, flags, tile)
+    _unit_pairs(prm, i, j, flags, tile)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
         for a in range(units):
             out = jnp.transpose(dq_acc[a] * prm.scale).reshape(gb, unit, prm.head_dim)
-            if units == 1:
-                dq_ref[...] = out.astype(dq_ref.dtype)
-            else:
-                dq_ref[:, a * unit : (a + 1) * unit] = out.astype(dq_ref.dtype)
+            _set_rows(dq_ref, a * unit, unit, out.astype(dq_ref.dtype))
 
 
 def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
@@ -223,7 +218,7 @@ def dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
     args, specs, q_spec, _ = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, True, batch_meta)
-    unit = prm.fwd_unit
+    unit = prm.unit
     return pl.pallas_call(
         functools.partial(_dq_kernel, prm=prm, interpret=bool(interpret)),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),

@@ -80,9 +80,10 @@ class KernelParams:
         return 1 if self.geom.seq_major else self.group
 
     @property
-    def fwd_unit(self) -> int:
-        """Positions of a q block whose softmax state the forward keeps as one
-        unit: a masked sub-tile's rows, else a slab, else the whole block."""
+    def unit(self) -> int:
+        """Positions of a q block whose state (softmax statistics, accumulator)
+        the forward and dQ kernels keep as one unit: a masked sub-tile's rows,
+        else a slab, else the whole block."""
         if self.sub is not None:
             return self.sub[0]
         return self.slab or self.geom.block_pos
@@ -96,11 +97,6 @@ def _row_to_col(x):
     """(1, n) -> (n, 1) through a 32-bit transpose (XLU)."""
     n = x.shape[1]
     return jnp.transpose(jnp.broadcast_to(x, (8, n)))[:, 0:1]
-
-
-def _col_to_row(x):
-    n = x.shape[0]
-    return jnp.transpose(jnp.broadcast_to(x, (n, 128)))[0:1, :]
 
 
 def _flat_rows(x):
@@ -182,6 +178,22 @@ def _k_side(prm, j, kseg_ref, as_col, k0, ck):
     return kidx, kidx < prm.geom.kv_len, seg
 
 
+def _key_valid_row(prm, j, k0, ck):
+    """(1, ck): which keys k0:k0+ck of kv block j lie before the sequence end."""
+    kpos = j * prm.geom.block_kv + k0 + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
+    return kpos < prm.geom.kv_len
+
+
+def _dot_nn_f32(x, y, interpret):
+    """x @ y with f32 accumulation. Under interpret mode on bf16 operands the
+    dot runs on f32 copies: XLA:CPU has no bf16 x bf16 -> f32 dot for the
+    transposed kernels' operand order, and the products of two bf16 values
+    are exact in f32, so it is the same sum."""
+    if interpret and x.dtype != jnp.float32:
+        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+    return lax.dot_general(x, y, NN_DIMS, preferred_element_type=jnp.float32)
+
+
 def _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg):
     """Elementwise visibility; operands broadcast to the logits block."""
     m = jnp.logical_and(qvalid, kvalid)
@@ -228,6 +240,28 @@ def _keys(ref, k0, ck):
     return ref[...] if ck == ref.shape[0] else ref[pl.ds(k0, ck), :]
 
 
+def _visible_chunks(prm, i, j, a, run):
+    """Calls run(k0) for each key sub-tile of pair (i, j) that row chunk a can see."""
+    ck = prm.sub[1]
+    c_lo, c_hi = bsched.chunk_bounds(
+        i,
+        j,
+        a,
+        geom=prm.geom,
+        sub=prm.sub,
+        q_offset=prm.q_offset,
+        left=prm.left,
+        right=prm.right,
+        xp=jnp,
+    )
+
+    def body(c, carry):
+        run(pl.multiple_of(c * ck, ck))
+        return carry
+
+    lax.fori_loop(c_lo, c_hi, body, 0)
+
+
 def _run_pair(prm, i, j, flags, tile):
     """Dispatches one step of the backward kernels to tile(masked, r0, rc, k0, ck).
 
@@ -248,23 +282,7 @@ def _run_pair(prm, i, j, flags, tile):
             return
         rc, ck = prm.sub
         for a in range(br // rc):
-            c_lo, c_hi = bsched.chunk_bounds(
-                i,
-                j,
-                a,
-                geom=g,
-                sub=prm.sub,
-                q_offset=prm.q_offset,
-                left=prm.left,
-                right=prm.right,
-                xp=jnp,
-            )
-
-            def body(c, carry, a=a):
-                tile(True, a * rc, rc, pl.multiple_of(c * ck, ck), ck)
-                return carry
-
-            lax.fori_loop(c_lo, c_hi, body, 0)
+            _visible_chunks(prm, i, j, a, lambda k0, a=a: tile(True, a * rc, rc, k0, ck))
 
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
@@ -298,14 +316,15 @@ def _run_pair(prm, i, j, flags, tile):
 # units, tpu7x 2,168 -> 2,037).
 
 
-def _fwd_pairs(prm, i, j, flags, tile):
-    """Dispatches one schedule step to tile(masked, a, k0, ck), a = unit index.
+def _unit_pairs(prm, i, j, flags, tile):
+    """Dispatches one schedule step to tile(masked, a, k0, ck), a = unit index
+    (a Python int: the units are unrolled).
 
     Like _run_pair, but every tile covers exactly one state unit of
-    `prm.fwd_unit` positions (its statistics and accumulator live per unit).
+    `prm.unit` positions (its statistics and accumulator live per unit).
     """
     g = prm.geom
-    bkv, unit = g.block_kv, prm.fwd_unit
+    bkv, unit = g.block_kv, prm.unit
     units = g.block_pos // unit
     compute = _flag(flags, bsched.COMPUTE)
     masked = _flag(flags, bsched.MASK)
@@ -315,32 +334,11 @@ def _fwd_pairs(prm, i, j, flags, tile):
         for a in range(units):
             if prm.sub is None:
                 tile(True, a, 0, bkv)
-                continue
-            ck = prm.sub[1]
-            c_lo, c_hi = bsched.chunk_bounds(
-                i,
-                j,
-                a,
-                geom=g,
-                sub=prm.sub,
-                q_offset=prm.q_offset,
-                left=prm.left,
-                right=prm.right,
-                xp=jnp,
-            )
-
-            def body(c, carry, a=a):
-                tile(True, a, pl.multiple_of(c * ck, ck), ck)
-                return carry
-
-            lax.fori_loop(c_lo, c_hi, body, 0)
+            else:
+                _visible_chunks(prm, i, j, a, lambda k0, a=a: tile(True, a, k0, prm.sub[1]))
 
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
-        if units == 1:
-            tile(False, 0, 0, bkv)
-            return
-
         for a in range(units):
             tile(False, a, 0, bkv)
 
@@ -358,7 +356,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     dv = prm.head_dim_v
 
     g = prm.geom
-    gb, unit = prm.heads_in_block, prm.fwd_unit
+    gb, unit = prm.heads_in_block, prm.unit
     units = g.block_pos // unit
     kv_tail = g.kv_len % g.block_kv != 0
     h = pl.program_id(1)
@@ -376,16 +374,14 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         vt_ref[dv:, :] = ones.astype(vt_ref.dtype)
 
     def tile(masked, a, k0, ck):
-        n = gb * unit
-        r0 = a * unit if isinstance(a, int) else pl.multiple_of(a * unit, unit)
+        n, r0 = gb * unit, a * unit
         q = _rows(q_ref, r0, unit).reshape(n, prm.head_dim)
         k = _keys(k_ref, k0, ck)
         vt = vt_ref[...] if ck == vt_ref.shape[1] else vt_ref[:, pl.ds(k0, ck)]
         if masked:
             kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
             if kv_tail:  # unspecified data past the end must not reach the matmul
-                kpos = j * g.block_kv + k0 + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
-                vt = jnp.where(kpos < g.kv_len, vt, jnp.zeros_like(vt))
+                vt = jnp.where(_key_valid_row(prm, j, k0, ck), vt, jnp.zeros_like(vt))
         s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         if masked:
             qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, unit)
@@ -397,17 +393,10 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         if masked:
             p = jnp.where(mask, p, 0.0)  # rows with nothing visible yet
         alpha = jnp.exp(m_prev - m_new)
-        p = p.astype(vt.dtype)
-        if interpret and vt.dtype != jnp.float32:
-            # XLA:CPU has no bf16 x bf16 -> f32 dot for this operand order; the
-            # products of two bf16 values are exact in f32, so it is the same sum.
-            vt, p = vt.astype(jnp.float32), p.astype(jnp.float32)
-        acc_ref[a] = alpha * acc_ref[a] + lax.dot_general(
-            vt, p, NN_DIMS, preferred_element_type=jnp.float32
-        )
+        acc_ref[a] = alpha * acc_ref[a] + _dot_nn_f32(vt, p.astype(vt.dtype), interpret)
         m_ref[a] = m_new
 
-    _fwd_pairs(prm, i, j, flags, tile)
+    _unit_pairs(prm, i, j, flags, tile)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
@@ -425,17 +414,13 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             inv = 1.0 / jnp.where(empty, 1.0, l)
             out = jnp.transpose(acc * inv).reshape(gb, unit, dv)
             lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-            if units == 1:
-                o_ref[...] = out.astype(o_ref.dtype)
-                lse_ref[...] = _split_rows(lse, gb)
-            else:
-                o_ref[:, a * unit : (a + 1) * unit] = out.astype(o_ref.dtype)
-                lse_ref[:, a * unit : (a + 1) * unit] = _split_rows(lse, gb)
+            _set_rows(o_ref, a * unit, unit, out.astype(o_ref.dtype))
+            _set_rows(lse_ref, a * unit, unit, _split_rows(lse, gb))
 
 
 def _sink_row(prm, sinks_ref, h, i, a):
     """(1, Gb * unit) sink logit of each query row of state unit a, in lane order."""
-    g, grp, unit = prm.geom, prm.group, prm.fwd_unit
+    g, grp, unit = prm.geom, prm.group, prm.unit
     if not g.seq_major:
         rows = [jnp.full((1, unit), sinks_ref[h * grp + hg], jnp.float32) for hg in range(grp)]
         return jnp.concatenate(rows, axis=1) if grp > 1 else rows[0]
@@ -527,7 +512,7 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
         jax.ShapeDtypeStruct(q5.shape[:4], jnp.float32),
     )
     out_specs = (q_spec(prm.head_dim_v), row_spec)
-    gb, unit = prm.heads_in_block, prm.fwd_unit
+    gb, unit = prm.heads_in_block, prm.unit
     units = g.block_pos // unit
     scratch = [
         pltpu.VMEM((units, 1, gb * unit), jnp.float32),
