@@ -66,6 +66,7 @@ FA = "kernels/flash_attention/flash_attention_tpu/kernel_fwd.py"
 FA_BWD = "kernels/flash_attention/flash_attention_tpu/kernel_bwd.py"
 FA_API = "kernels/flash_attention/flash_attention_tpu/api.py"
 FA_SCHED = "kernels/flash_attention/flash_attention_tpu/schedule.py"
+FA_TILING = "kernels/flash_attention/flash_attention_tpu/tiling.py"
 FA_OPS = "kernels/flash_attention/flash_attention_tpu/ops.py"
 TB = "torch_bindings"
 
@@ -467,16 +468,40 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-dk-overwrite",
         FA_BWD,
-        "dk_acc[...] += dk",
-        "dk_acc[...] = dk",
+        "dk_acc[...] += dkt",
+        "dk_acc[...] = dkt",
         (FA_SCALE,),
         "dK: accumulator overwritten per q block",
     ),
     Mutant(
+        "fa-dv-subtile-offset",
+        FA_BWD,
+        "dv_acc[:, pl.ds(k0, ck)] += dvt",
+        "dv_acc[:, pl.ds(0, ck)] += dvt",
+        (f"{T_FA}::test_dense_matches_reference",),
+        "dV: every key sub-tile of a masked pair added to the block's first keys",
+    ),
+    Mutant(
+        "fa-dk-scale",
+        FA_BWD,
+        "jnp.transpose(dk_acc[...] * prm.scale)",
+        "jnp.transpose(dk_acc[...] * prm.head_dim**-0.5)",
+        (FA_SCALE,),
+        "dK: softmax_scale ignored (1/sqrt(D) used)",
+    ),
+    Mutant(
+        "fa-plan-shrink-both",
+        FA_TILING,
+        "block_kv=max(512, kv // 2) if fwd_over else kv,",
+        "block_kv=max(512, kv // 2),",
+        (f"{T_FA}::test_a_table_entry_over_budget_shrinks_only_the_kernels_that_are_over",),
+        "plan: a backward over budget shrinks the forward's key blocks too",
+    ),
+    Mutant(
         "fa-dkdv-softcap",
         FA_BWD,
-        "ds = ds * (1.0 - t * t)\n        dk = lax.dot_general",
-        "ds = ds\n        dk = lax.dot_general",
+        "ds = ds * (1.0 - t * t)\n        dkt = _dot_f32",
+        "ds = ds\n        dkt = _dot_f32",
         (FA_SCALE,),
         "dK: softcap's tanh derivative dropped",
     ),

@@ -16,6 +16,7 @@ blocks with ragged tails.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -837,9 +838,28 @@ def test_long_sequences_take_the_long_table_entry():
         return p.fwd.block_kv, p.slab_rows
 
     assert fwd("v6e", 8192, 8192) == (1024, 512)
+    bwd = tiling.plan(
+        generation="v6e", q_len=8192, kv_len=8192, group=4, head_dim=128, head_dim_v=128, itemsize=2
+    )
+    assert bwd.dkdv.block_kv == bwd.dq.block_kv == 1024
     assert fwd("v6e", 2048, 2048) == (512, 512)
     assert fwd("v6e", 2048, 8192) == (512, 512)  # short queries: the diagonal still matters
     assert fwd("tpu7x", 8192, 8192) == fwd("tpu7x", 2048, 2048)  # no long entry: prefill's
+
+
+def test_a_table_entry_over_budget_shrinks_only_the_kernels_that_are_over(monkeypatch):
+    """A backward that needs smaller key blocks must not take the forward's with it."""
+    key = ("tpu7x", "prefill", 128)
+    entry = dataclasses.replace(tiling.BLOCK_TABLE[key], block_kv=1024, block_kv_bwd=1024)
+    monkeypatch.setitem(tiling.BLOCK_TABLE, key, entry)
+    kw = dict(q_len=2048, kv_len=2048, group=4, head_dim=128, head_dim_v=128, itemsize=2)
+    budget = tiling.VMEM_BUDGET_BYTES["tpu7x"]
+    rows = 4 * entry.block_q_bwd
+    assert tiling.dkdv_vmem_bytes(rows, 1024, 128, 128, 2) > budget  # the premise
+    assert tiling.fwd_vmem_bytes(rows, 1024, 128, 128, 2) <= budget
+    p = tiling.plan(generation="tpu7x", **kw)
+    assert p.fwd.block_kv == 1024
+    assert p.dkdv.block_kv == p.dq.block_kv == 512
 
 
 def test_block_sizes_validation():

@@ -21,7 +21,7 @@ from .kernel_fwd import (
     _common_specs,
     _compiler_params,
     _decode,
-    _dot_nn_f32,
+    _dot_f32,
     _flag,
     _flat_rows,
     _unit_pairs,
@@ -40,16 +40,21 @@ from .kernel_fwd import (
 
 # ---------------------------------------------------------------------------
 # dK/dV kernel: kv-major schedule, logits transposed (keys on sublanes) so
-# the per-query logsumexp and delta are lane-major rows, as stored.
+# the per-query logsumexp and delta are lane-major rows, as stored. The
+# outputs are accumulated transposed too, dV^T = dO^T P^T and dK^T = Q^T dS^T
+# [D, keys]: row-major, dV = P dO at Dv = 128 half-fills the 256-wide result
+# of v6e/tpu7x and pops both halves of every 256-row partial, as the
+# forward's PV did (kernel_fwd.py); [D, keys] fills it. dK/dV are transposed
+# once per kv block, at the end.
 
 
-def _dkdv_kernel(sched_ref, *refs, prm: KernelParams):
+def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     refs = refs[6:]
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
-    dk_ref, dv_ref, dk_acc, dv_acc = refs
+    dk_ref, dv_ref, dk_acc, dv_acc = refs  # dk_acc: (D, bkv); dv_acc: (Dv, bkv)
 
     g = prm.geom
     gb, br = prm.heads_in_block, g.block_pos
@@ -86,25 +91,25 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams):
             kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             p = jnp.where(mask, p, 0.0)
-        dv = lax.dot_general(p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32)
+        dvt = _dot_f32(jnp.transpose(do), p.astype(do.dtype), NT_DIMS, interpret)
         dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dk = lax.dot_general(ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32)
+        dkt = _dot_f32(jnp.transpose(q), ds.astype(q.dtype), NT_DIMS, interpret)
         if ck == g.block_kv:
-            dv_acc[...] += dv
-            dk_acc[...] += dk
+            dv_acc[...] += dvt
+            dk_acc[...] += dkt
         else:
-            dv_acc[pl.ds(k0, ck), :] += dv
-            dk_acc[pl.ds(k0, ck), :] += dk
+            dv_acc[:, pl.ds(k0, ck)] += dvt
+            dk_acc[:, pl.ds(k0, ck)] += dkt
 
     _run_pair(prm, i, j, flags, tile)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
-        dk_ref[...] = (dk_acc[...] * prm.scale).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+        dk_ref[...] = jnp.transpose(dk_acc[...] * prm.scale).astype(dk_ref.dtype)
+        dv_ref[...] = jnp.transpose(dv_acc[...]).astype(dv_ref.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -161,7 +166,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dq_acc[a] += _dot_nn_f32(kt, ds.astype(kt.dtype), interpret)
+        dq_acc[a] += _dot_f32(kt, ds.astype(kt.dtype), NN_DIMS, interpret)
 
     _unit_pairs(prm, i, j, flags, tile)
 
@@ -195,11 +200,11 @@ def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta)
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     out_specs = (kv_spec(prm.head_dim), kv_spec(prm.head_dim_v))
     scratch = [
-        pltpu.VMEM((g.block_kv, prm.head_dim), jnp.float32),
-        pltpu.VMEM((g.block_kv, prm.head_dim_v), jnp.float32),
+        pltpu.VMEM((prm.head_dim, g.block_kv), jnp.float32),
+        pltpu.VMEM((prm.head_dim_v, g.block_kv), jnp.float32),
     ]
     return pl.pallas_call(
-        functools.partial(_dkdv_kernel, prm=prm),
+        functools.partial(_dkdv_kernel, prm=prm, interpret=bool(interpret)),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,

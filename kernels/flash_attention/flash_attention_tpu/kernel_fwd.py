@@ -184,14 +184,14 @@ def _key_valid_row(prm, j, k0, ck):
     return kpos < prm.geom.kv_len
 
 
-def _dot_nn_f32(x, y, interpret):
-    """x @ y with f32 accumulation. Under interpret mode on bf16 operands the
-    dot runs on f32 copies: XLA:CPU has no bf16 x bf16 -> f32 dot for the
-    transposed kernels' operand order, and the products of two bf16 values
-    are exact in f32, so it is the same sum."""
+def _dot_f32(x, y, dims, interpret):
+    """dot_general(x, y, dims) with f32 accumulation. Under interpret mode on
+    bf16 operands the dot runs on f32 copies: XLA:CPU has no bf16 x bf16 ->
+    f32 dot for the transposed kernels' operand orders, and the products of
+    two bf16 values are exact in f32, so it is the same sum."""
     if interpret and x.dtype != jnp.float32:
         x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-    return lax.dot_general(x, y, NN_DIMS, preferred_element_type=jnp.float32)
+    return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
 
 
 def _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg):
@@ -393,7 +393,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         if masked:
             p = jnp.where(mask, p, 0.0)  # rows with nothing visible yet
         alpha = jnp.exp(m_prev - m_new)
-        acc_ref[a] = alpha * acc_ref[a] + _dot_nn_f32(vt, p.astype(vt.dtype), interpret)
+        acc_ref[a] = alpha * acc_ref[a] + _dot_f32(vt, p.astype(vt.dtype), NN_DIMS, interpret)
         m_ref[a] = m_new
 
     _unit_pairs(prm, i, j, flags, tile)

@@ -63,7 +63,10 @@ VMEM_BUDGET_BYTES = {g: tpu_info.vmem_budget_bytes(g) for g in GENERATIONS}
 DECODE_MAX_Q_LEN = 128
 # From here on ("long"), v6e's forward takes 1024-key blocks: the diagonal's
 # extra masked work is then a small part of the call (v6e d=128 causal, 32/8
-# heads: 2k tokens 375 -> 422 us with 1024-key blocks, 8k 3,981 -> 3,692).
+# heads: 2k tokens 375 -> 422 us with 1024-key blocks, 8k 3,981 -> 3,692);
+# at d=128 its backward does too, halving the steps whose fixed cost (~320
+# bundles of scalar pipeline work) each pays (8k: dK/dV 2,821 -> 2,740 us,
+# dQ 2,132 -> 1,997). tpu7x's smaller VMEM holds no 1024-key dK/dV block.
 LONG_MIN_KV_LEN = 4096
 
 LANES = 128
@@ -122,7 +125,7 @@ BLOCK_TABLE = {
     ("v6e", "prefill", 128): _b(512, 512, 512, 512, slab=512),
     ("v6e", "prefill", 192): _b(512, 512, 256, 512, slab=512),
     ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=512),
-    ("v6e", "long", 128): _b(512, 1024, 512, 512, slab=512),
+    ("v6e", "long", 128): _b(512, 1024, 512, 1024, slab=512),
     ("v6e", "long", 192): _b(512, 1024, 256, 512, slab=512),
     ("v6e", "long", 256): _b(512, 1024, 256, 512, slab=512),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
@@ -340,10 +343,15 @@ def plan(
         if explicit:
             check_vmem(*over[0], generation)
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
-        # then stacked rows.
-        if bs.block_kv > 512 or bs.block_kv_bwd > 512:
+        # of the kernels that are over only, then stacked rows.
+        fwd_over = any(k == "forward" for k, _ in over)
+        bwd_over = any(k != "forward" for k, _ in over)
+        kv, kv_bwd = bs.block_kv, bs.block_kv_bwd
+        if (fwd_over and kv > 512) or (bwd_over and kv_bwd > 512):
             bs = dataclasses.replace(
-                bs, block_kv=max(512, bs.block_kv // 2), block_kv_bwd=max(512, bs.block_kv_bwd // 2)
+                bs,
+                block_kv=max(512, kv // 2) if fwd_over else kv,
+                block_kv_bwd=max(512, kv_bwd // 2) if bwd_over else kv_bwd,
             )
         elif bs.max_rows > 256:
             bs = dataclasses.replace(bs, max_rows=bs.max_rows // 2)
