@@ -16,6 +16,13 @@ def _strs(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _known(flag: str, given: list[str] | None, known) -> list[str] | None:
+    bad = [x for x in given or [] if x not in known]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {bad}; known: {', '.join(known)}")
+    return given
+
+
 # --quick models the two generations the kernels are tuned for; the full
 # sweep adds v5e.
 QUICK_GENERATIONS = ("v6e", "tpu7x")
@@ -77,6 +84,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--rmsnorm-hidden", type=_ints, default=None)
     p.add_argument("--rmsnorm-tokens", type=_ints, default=None)
+    p.add_argument(
+        "--rmsnorm-variants",
+        type=_strs,
+        default=None,
+        help="comma list of plain, gemma, residual (fused add); default plain",
+    )
+    p.add_argument(
+        "--rmsnorm-directions",
+        type=_strs,
+        default=None,
+        help="comma list of fwd, bwd (the backward alone); default fwd for --quick, both otherwise",
+    )
     p.add_argument("--attention-seqs", type=_ints, default=None)
     p.add_argument(
         "--attention-head-dims",
@@ -193,15 +212,20 @@ def build_tasks(args):
     if "rmsnorm" in args.kernels:
         hs = args.rmsnorm_hidden or ([2048] if args.quick else list(points.RMSNORM_HIDDEN))
         ts = args.rmsnorm_tokens or ([8, 8192] if args.quick else list(points.RMSNORM_TOKENS))
+        variants = _known("--rmsnorm-variants", args.rmsnorm_variants, points.RMSNORM_VARIANTS)
+        dirs = _known("--rmsnorm-directions", args.rmsnorm_directions, points.RMSNORM_DIRECTIONS)
         for h in hs:
             for t in ts:
-                tasks += [(i, points.RmsNormPoint(h, t)) for i in impls("rmsnorm")]
+                for v in variants or ["plain"]:
+                    for d in dirs or (["fwd"] if args.quick else ["fwd", "bwd"]):
+                        pt = points.RmsNormPoint(h, t, variant=v, direction=d)
+                        tasks += [(i, pt) for i in impls("rmsnorm")]
     if "attention" in args.kernels:
         seqs = args.attention_seqs or ([2048] if args.quick else list(points.ATTENTION_SEQS))
-        dirs = args.attention_directions or (["fwd"] if args.quick else ["fwd", "train"])
-        bad = [d for d in dirs if d not in ("fwd", "train")]
-        if bad:
-            raise SystemExit(f"--attention-directions: unknown {bad}; known: fwd, train")
+        dirs = _known(
+            "--attention-directions", args.attention_directions, points.ATTENTION_DIRECTIONS
+        )
+        dirs = dirs or (["fwd"] if args.quick else ["fwd", "train"])
         for n in seqs:
             for hd in args.attention_head_dims or [128]:
                 for d in dirs:

@@ -264,7 +264,7 @@ def slot_of(name: str) -> str:
             return "mxu_push"
         if name.startswith(("vmatmul", "vmatprep.mubr")):
             return "mxu_matmul"
-        if ".mrf" in name:
+        if ".mrf" in name or name.endswith(".mrb"):  # v5e/v6e result FIFO; tpu7x result buffer
             return "mxu_pop"
         if (
             name.startswith(

@@ -14,8 +14,15 @@ import jax.numpy as jnp
 
 from . import model
 
-RMSNORM_HIDDEN = (2048, 2816, 4096, 5120)
+RMSNORM_HIDDEN = (2048, 2816, 4096, 5120, 8192)
 RMSNORM_TOKENS = (1, 8, 64, 512, 2048, 8192)
+# plain; gemma: weight offset by one; residual: fused add, x + residual
+# normalised and the sum returned too (what a decoder layer's norms do).
+RMSNORM_VARIANTS = ("plain", "gemma", "residual")
+# fwd; bwd: the backward alone, from what the forward saved (the input, or
+# the fused sum) and the output's cotangent (and the sum's, fused).
+RMSNORM_DIRECTIONS = ("fwd", "bwd")
+ATTENTION_DIRECTIONS = ("fwd", "train")
 
 ATTENTION_SEQS = (512, 2048, 8192)
 
@@ -25,40 +32,56 @@ class RmsNormPoint:
     hidden: int
     tokens: int
     dtype: str = "bfloat16"
+    variant: str = "plain"
+    direction: str = "fwd"
     kernel = "rmsnorm"
 
     def labels(self) -> dict:
-        return dict(hidden=self.hidden, tokens=self.tokens, dtype=self.dtype)
+        return dict(
+            hidden=self.hidden,
+            tokens=self.tokens,
+            dtype=self.dtype,
+            variant=self.variant,
+            direction=self.direction,
+        )
 
     @property
     def walk_key(self):
-        return ("rmsnorm", self.hidden, self.tokens, self.dtype)
+        return ("rmsnorm", self.hidden, self.tokens, self.dtype, self.variant, self.direction)
 
     compile_key = walk_key
 
     def compile_args(self):
+        """fwd: (x, [residual,] w); bwd: (x or the sum, w, dy, [d sum])."""
         dt = jnp.dtype(self.dtype)
-        return (
-            jax.ShapeDtypeStruct((self.tokens, self.hidden), dt),
-            jax.ShapeDtypeStruct((self.hidden,), dt),
-        )
+        x = jax.ShapeDtypeStruct((self.tokens, self.hidden), dt)
+        w = jax.ShapeDtypeStruct((self.hidden,), dt)
+        residual = self.variant == "residual"
+        if self.direction == "fwd":
+            return (x, x, w) if residual else (x, w)
+        return (x, w, x, x) if residual else (x, w, x)
 
     walker_args = compile_args
 
     def real_args(self, key=0):
-        k1, k2 = jax.random.split(jax.random.key(key))
-        x, w = self.compile_args()
-        return (
-            jax.random.normal(k1, x.shape, jnp.float32).astype(x.dtype),
-            jax.random.normal(k2, w.shape, jnp.float32).astype(w.dtype),
+        specs = self.compile_args()
+        ks = jax.random.split(jax.random.key(key), len(specs))
+        return tuple(
+            jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(ks, specs)
         )
 
     def min_bytes(self) -> int:
+        """Every [tokens, hidden] stream read or written once: fwd x in, y out
+        (fused: x, residual in, y, sum out); bwd x and dy in, dx out (fused:
+        the sum, dy and the sum's cotangent in, dx out)."""
         it = jnp.dtype(self.dtype).itemsize
-        return 2 * self.tokens * self.hidden * it + self.hidden * it
+        residual = self.variant == "residual"
+        streams = (4 if residual else 2) if self.direction == "fwd" else (4 if residual else 3)
+        return streams * self.tokens * self.hidden * it + self.hidden * it
 
     def useful_flops(self) -> int:
-        return 4 * self.tokens * self.hidden  # VPU work; never the MXU bound
+        # VPU work; never the MXU bound
+        return (4 if self.direction == "fwd" else 10) * self.tokens * self.hidden
 
     def roofline_s(self, generation: str) -> float:
         return self.min_bytes() / model.chip(generation).hbm_bytes_per_s

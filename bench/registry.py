@@ -525,22 +525,53 @@ register(
 
 
 # --------------------------------------------------------------------------
-# RMSNorm: x (T,H) bf16, weight (H,) -> (T,H).
+# RMSNorm: x (T,H) bf16[, residual (T,H)], weight (H,) -> (T,H)[, sum (T,H)];
+# backward from the saved input (fused: the sum) and the cotangents.
 # --------------------------------------------------------------------------
 
 
 def _ours_rmsnorm(point, generation, ctx) -> Built:
-    fn = _contract_entry("rmsnorm_tpu", "rms_norm", generation, eps=1e-6)
-    return Built(fn, ("ours_rmsnorm", generation), glue_key=("ours_rmsnorm",))
+    gemma, key = point.variant == "gemma", ("ours_rmsnorm", generation, point.variant)
+    if point.direction == "bwd":
+        # What the op's autograd rule runs: the backward kernel alone.
+        bwd = functools.partial(
+            _import_attr("rmsnorm_tpu.kernel", "rms_norm_bwd"),
+            eps=1e-6,
+            gemma=gemma,
+            config=generation,
+        )
+
+        def fn(s, w, dy, ds=None):
+            return bwd(dy, ds, s, w)
+
+        return Built(fn, key + ("bwd",), glue_key=("ours_rmsnorm",))
+    if point.variant == "residual":
+        fn = _contract_entry("rmsnorm_tpu", "fused_add_rms_norm", generation, eps=1e-6)
+    else:
+        fn = _contract_entry("rmsnorm_tpu", "rms_norm", generation, eps=1e-6, gemma=gemma)
+    return Built(fn, key, glue_key=("ours_rmsnorm",))
 
 
 def _xla_rmsnorm(point, generation, ctx) -> Built:
-    def fn(x, w):
+    def norm(x, w):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
-        return (y * w.astype(jnp.float32)).astype(x.dtype)
+        wf = w.astype(jnp.float32)
+        return (y * (1.0 + wf if point.variant == "gemma" else wf)).astype(x.dtype)
 
-    return Built(fn, ("xla_rmsnorm",))
+    def fused(x, r, w):
+        s = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype)
+        return norm(s, w), s
+
+    def bwd(s, w, dy, ds=None):
+        _, vjp = jax.vjp(norm, s, w)
+        dx, dw = vjp(dy)
+        return (dx if ds is None else dx + ds), dw
+
+    key = ("xla_rmsnorm", point.variant, point.direction)
+    if point.direction == "bwd":
+        return Built(bwd, key)
+    return Built(fused if point.variant == "residual" else norm, key)
 
 
 register(Impl("ours_rmsnorm", "rmsnorm", "rmsnorm_tpu.api.rms_norm", _ours_rmsnorm, ours=True))

@@ -71,7 +71,7 @@ def _point_key(r: dict) -> tuple:
     if r["kernel"] == "moe":
         return (r["model"], r["routing"], r["tokens"])
     if r["kernel"] == "rmsnorm":
-        return (r["hidden"], r["tokens"])
+        return (r["hidden"], r["tokens"], r.get("variant", "plain"), r.get("direction", "fwd"))
     if r["kernel"] == "decode_attention":
         return (r["context"], r["batch"], r["cache_len"], r["q_heads"], r["kv_heads"])
     return (
@@ -86,7 +86,7 @@ def _point_key(r: dict) -> tuple:
 
 _POINT_COLS = {
     "moe": ["model", "routing", "tokens"],
-    "rmsnorm": ["hidden", "tokens"],
+    "rmsnorm": ["hidden", "tokens", "variant", "direction"],
     "attention": ["seq", "direction", "batch", "q_heads", "kv_heads", "head_dim"],
     "decode_attention": ["context", "batch", "cache_len", "q_heads", "kv_heads", "head_dim"],
 }

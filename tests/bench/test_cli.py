@@ -58,3 +58,30 @@ def test_bad_custom_shape_is_rejected(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--experts", "4", "--top-k", "8", "--hidden", "8", "--intermediate", "8"])
     assert "--top-k" in capsys.readouterr().err
+
+
+def test_rmsnorm_points_time_each_kernel_at_its_bytes(tmp_path):
+    """Forward and backward alone, plain and fused: one launch each, moving
+    the point's minimum bytes (every stream once)."""
+    out = str(tmp_path / "out")
+    argv = ["--kernels", "rmsnorm", "--rmsnorm-hidden", "256", "--rmsnorm-tokens", "512"]
+    argv += ["--rmsnorm-variants", "plain,residual", "--rmsnorm-directions", "fwd,bwd"]
+    argv += ["--impls", "ours_rmsnorm", "--generations", "v6e", "--no-compile"]
+    assert cli.main(argv + ["--jobs", "1", "--no-progress", "--out", out]) == 0
+    recs = json.load(open(os.path.join(out, "results.json")))["records"]
+    got = sorted((r["variant"], r["direction"]) for r in recs)
+    assert got == [("plain", "bwd"), ("plain", "fwd"), ("residual", "bwd"), ("residual", "fwd")]
+    for r in recs:
+        g = r["per_generation"]["v6e"]
+        assert [l["name"] for l in g["launches"]] == [f"rms_norm_{r['direction']}"]
+        # fwd: x, y (fused: x, r, y, sum); bwd: x, dy, dx (fused: sum, dy, d sum, dx)
+        streams = {("plain", "fwd"): 2, ("plain", "bwd"): 3}.get((r["variant"], r["direction"]), 4)
+        assert r["min_bytes"] == streams * 512 * 256 * 2 + 256 * 2
+        assert 1.0 <= g["bytes_over_min"] <= 1.02
+
+
+def test_unknown_rmsnorm_variant_is_rejected(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit, match="--rmsnorm-variants"):
+        cli.main(["--kernels", "rmsnorm", "--rmsnorm-variants", "fused", "--no-compile"])

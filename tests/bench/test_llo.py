@@ -298,3 +298,14 @@ def test_a_dma_waited_at_once_costs_scheduled_time_not_ideal_time():
     assert ideal_early == ideal_late
     assert early.stall_cycles > late.stall_cycles
     assert early.seconds > late.seconds
+
+
+def test_mxu_result_pops_are_one_slot_class_on_every_generation():
+    """v6e pops its MXU results from a FIFO (`.mrf.mxuN`), tpu7x from a result
+    buffer (`.mrb`); either binds a matmul loop the same way, and an EUP
+    result pop or an ALU op is not one."""
+    assert llo.slot_of("vpop.f32.mrf.mxu0") == "mxu_pop"
+    assert llo.slot_of("vpop.f32.mrb") == "mxu_pop"
+    assert llo.slot_of("vmatmul.mubr.bf16.gmra.mrb") == "mxu_matmul"
+    assert llo.slot_of("vpop.erf") != "mxu_pop"
+    assert llo.slot_of("vmul.f32") == "valu"
