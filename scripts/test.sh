@@ -8,7 +8,9 @@ source scripts/env.sh
 ruff format --check --quiet . || { echo "test.sh: run 'ruff format .'" >&2; exit 1; }
 ruff check --quiet .
 set +e
-python -m pytest tests "$@"
+# One worker per core (CI has 2), a test file per worker at a time: module
+# fixtures (compiled programs, built kernels) stay with their tests.
+python -m pytest tests -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

@@ -153,11 +153,42 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [i for i in items if i.module not in modules] + tail
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the controller names a folder where the test
+    processes share the gate's results (tests/gate.py: Share)."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        import tempfile
+
+        config.gate_share = tempfile.mkdtemp(prefix="pytest-gate-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["gate_share"] = node.config.gate_share
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "gate_share", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def pytest_collection_finish(session):
     import gate
 
-    if not session.config.option.collectonly:
-        gate.start_session_pool(session.items)
+    if session.config.option.collectonly:
+        return
+    share = None
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is not None:
+        share = gate.Share(
+            workerinput["gate_share"],
+            int(workerinput["workerid"].removeprefix("gw")),
+            int(workerinput["workercount"]),
+        )
+    gate.start_session_pool(session.items, share)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -254,9 +254,20 @@ class CompilePool:
     4): the numeric tests in the main process are the suite's longest serial
     chain, and a third process on a 2-core machine starved it (34 min with two
     workers; the gate itself needs about 25 CPU-minutes).
+
+    share: under pytest-xdist every test process collects the whole matrix,
+    and a pool per process compiled all of it (each process's, twice the
+    gate's CPU). A `Share` gives this pool its part of the matrix only; every
+    result goes to the share's folder, where a process whose gate test needs
+    another part's point waits for it.
     """
 
-    def __init__(self, keyed_points: Sequence[tuple[str, Any]], workers: int | None = None):
+    def __init__(
+        self,
+        keyed_points: Sequence[tuple[str, Any]],
+        workers: int | None = None,
+        share: "Share | None" = None,
+    ):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
@@ -274,16 +285,28 @@ class CompilePool:
         )
         self.futures = {}
         self.workers = n
+        self.share = share
+        if share is not None:
+            share.order = {key: i for i, key in enumerate(keyed_points)}
         self.add(keyed_points)
+
+    def _mine(self, key) -> bool:
+        return self.share is None or self.share.owns(key)
 
     def add(self, keyed_points) -> None:
         for key in keyed_points:
-            if key not in self.futures:
-                self.futures[key] = self.pool.submit(_run_point, *key)
+            if key not in self.futures and self._mine(key):
+                fut = self.pool.submit(_run_point, *key)
+                if self.share is not None:
+                    fut.add_done_callback(lambda f, key=key: self.share.put(key, f))
+                self.futures[key] = fut
 
     def result(self, module_file: str, point) -> PointResult:
-        self.add([(str(module_file), point)])
-        return self.futures[(str(module_file), point)].result()
+        key = (str(module_file), point)
+        if not self._mine(key):
+            return self.share.get(key)
+        self.add([key])
+        return self.futures[key].result()
 
     def assert_ok(self, module_file: str, point) -> PointResult:
         r = self.result(module_file, point)
@@ -326,7 +349,59 @@ class CompilePool:
                     f.write(json.dumps({**row, **dataclasses.asdict(r)}) + "\n")
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        # A shared part is finished even when this process needs no more of
+        # it: another process's gate tests may be waiting for it.
+        self.pool.shutdown(wait=True, cancel_futures=self.share is None)
+
+
+class Share:
+    """The part of the gate matrix one of `count` test processes compiles
+    (every count-th point of the collected order, from its index), and the
+    folder where each process leaves its results for the others."""
+
+    WAIT_S = 3600.0
+
+    def __init__(self, folder: str, index: int, count: int):
+        self.folder, self.index, self.count = folder, index, count
+        self.order: dict = {}  # key -> position in the collected matrix
+        os.makedirs(folder, exist_ok=True)
+
+    def owns(self, key) -> bool:
+        # a point outside the collected matrix is compiled by whoever asks
+        return self.order.get(key, self.index) % self.count == self.index
+
+    def _path(self, key) -> str:
+        import hashlib
+
+        return os.path.join(self.folder, hashlib.sha256(repr(key).encode()).hexdigest())
+
+    def put(self, key, fut) -> None:
+        import pickle
+
+        if fut.cancelled() or fut.exception() is not None:
+            r = PointResult(False, f"gate worker: {fut.exception()!r}", 0.0, 0.0, False)
+        else:
+            r = fut.result()
+        tmp = self._path(key) + f".{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(r, f)
+        os.replace(tmp, self._path(key))
+
+    def get(self, key) -> PointResult:
+        import pickle
+
+        path, t0 = self._path(key), time.monotonic()
+        while not os.path.exists(path):
+            if time.monotonic() - t0 > self.WAIT_S:
+                return PointResult(
+                    False, f"no result from test process {self.owner(key)}", 0.0, 0.0, False
+                )
+            time.sleep(0.5)
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    def owner(self, key) -> int:
+        return self.order[key] % self.count
 
 
 # One pool per session, started by conftest.py as soon as collection ends, so
@@ -345,7 +420,7 @@ def gate_items(items) -> list:
     ]
 
 
-def start_session_pool(items) -> None:
+def start_session_pool(items, share: Share | None = None) -> None:
     global _SESSION_POOL
     keyed = []
     for item in gate_items(items):
@@ -353,7 +428,7 @@ def start_session_pool(items) -> None:
         if key not in keyed:
             keyed.append(key)
     if keyed and _SESSION_POOL is None:
-        _SESSION_POOL = CompilePool(keyed)
+        _SESSION_POOL = CompilePool(keyed, share=share)
 
 
 def session_pool() -> CompilePool:

@@ -115,9 +115,9 @@ def test_attention_sequence_length_alone_may_differ():
     other = fa_tiling.BlockSizes(256, 512, 256, 512)
     missing, total = gate.uncovered_launches(_attention(1024, other), _attention(2048))
     assert missing == 3
-    # From 4k, v6e's forward takes 1024-key blocks: only the two backward launches match.
+    # From 4k, v6e's forward and backward take 1024-key blocks: no launch matches.
     missing, total = gate.uncovered_launches(_attention(1024), _attention(4096))
-    assert (missing, total) == (1, 3)
+    assert (missing, total) == (3, 3)
 
 
 class _CannedPool(gate.CompilePool):
@@ -164,3 +164,31 @@ def test_workers_start_without_compiler_dumps(monkeypatch):
         assert pool.pool.submit(os.getenv, "LIBTPU_INIT_ARGS").result() == ""
     finally:
         pool.close()
+
+
+def test_test_processes_split_the_matrix_and_share_results(tmp_path):
+    """Under pytest-xdist each test process compiles its own part of the
+    matrix once, and reads the other parts' results from the shared folder."""
+    module = tmp_path / "fake_gate_module.py"
+    module.write_text(
+        "import os\n"
+        "def gate_program(point):\n"
+        "    raise ValueError(f'{point} ran in {os.getpid()}')\n"
+    )
+    keyed = [(str(module), p) for p in ("p0", "p1", "p2", "p3")]
+    pools = [
+        gate.CompilePool(keyed, workers=1, share=gate.Share(str(tmp_path / "share"), i, 2))
+        for i in range(2)
+    ]
+    try:
+        assert sorted(pools[0].futures) == [keyed[0], keyed[2]]
+        assert sorted(pools[1].futures) == [keyed[1], keyed[3]]
+        pid = [p.pool.submit(os.getpid).result() for p in pools]
+        for point, owner in (("p0", 0), ("p1", 1), ("p2", 0), ("p3", 1)):
+            for reader in pools:
+                r = reader.result(str(module), point)
+                assert not r.ok and r.error == f"ValueError: {point} ran in {pid[owner]}"
+        assert len(pools[0].futures) == len(pools[1].futures) == 2  # nothing compiled twice
+    finally:
+        for p in pools:
+            p.close()
