@@ -176,10 +176,10 @@ def test_test_processes_split_the_matrix_and_share_results(tmp_path):
         "    raise ValueError(f'{point} ran in {os.getpid()}')\n"
     )
     keyed = [(str(module), p) for p in ("p0", "p1", "p2", "p3")]
-    pools = [
-        gate.CompilePool(keyed, workers=1, share=gate.Share(str(tmp_path / "share"), i, 2))
-        for i in range(2)
-    ]
+    shares = [gate.Share(str(tmp_path / "share"), i, 2) for i in range(2)]
+    for share in shares:
+        share.WAIT_S = 60.0  # a result that never comes fails here, not in an hour
+    pools = [gate.CompilePool(keyed, workers=1, share=share) for share in shares]
     try:
         assert sorted(pools[0].futures) == [keyed[0], keyed[2]]
         assert sorted(pools[1].futures) == [keyed[1], keyed[3]]
