@@ -73,7 +73,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         lse = _flat_rows(_rows(lse_ref, r0, rc))
         delta = _flat_rows(_rows(delta_ref, r0, rc))
         if masked:
-            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, rc)
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, r0, rc)
             if q_tail:
                 row = i * br + r0 + lax.broadcasted_iota(jnp.int32, (gb, rc, 1), 1)
                 valid3 = row < g.q_rows_total
@@ -88,7 +88,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         p = jnp.exp(s - lse)
         if masked:
-            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, k0, ck)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             p = jnp.where(mask, p, 0.0)
         dvt = _dot_f32(jnp.transpose(do), p.astype(do.dtype), NT_DIMS, interpret)
@@ -151,7 +151,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         v = _keys(v_ref, k0, ck)
         kt = kt_ref[...] if ck == kt_ref.shape[1] else kt_ref[:, pl.ds(k0, ck)]
         if masked:
-            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, k0, ck)
             if kv_tail:  # keep dS finite (0) past the end (softcap's tanh, dP), and K^T dS
                 k = _zero_tail_rows(k, kvalid)
                 v = _zero_tail_rows(v, kvalid)
@@ -159,7 +159,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         p = jnp.exp(s - lse)
         if masked:
-            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, unit)
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, r0, unit)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             p = jnp.where(mask, p, 0.0)
         dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)

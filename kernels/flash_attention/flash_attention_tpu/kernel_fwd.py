@@ -114,10 +114,6 @@ def _split_rows(x, gb):
     return jnp.concatenate([x[:, g * br : (g + 1) * br] for g in range(gb)], axis=0)
 
 
-def _tile_col(x, gb):
-    return x if gb == 1 else jnp.concatenate([x] * gb, axis=0)
-
-
 def _tile_row(x, gb):
     return x if gb == 1 else jnp.concatenate([x] * gb, axis=1)
 
@@ -135,46 +131,33 @@ def _flag(flags, bit):
     return (flags & bit) != 0
 
 
-def _q_side(prm, i, qpos_ref, qseg_ref, as_col, r0, rc):
-    """Query-side (position, valid, segment) vectors of rows r0:r0+rc of each head.
-
-    Returned in matmul-row order: (Gb * rc, 1) columns for the row-oriented
-    kernels (as_col), else (1, Gb * rc) rows.
-    """
+def _q_side(prm, i, qpos_ref, qseg_ref, r0, rc):
+    """Query-side (position, valid, segment) of rows r0:r0+rc of each head, as
+    (1, Gb * rc) lane rows in matmul-row order (every kernel's tiles hold the
+    query rows in lanes)."""
     g = prm.geom
     gb = prm.heads_in_block
     full = rc == g.block_pos
-    if as_col:
-        local = lax.broadcasted_iota(jnp.int32, (rc, 1), 0)
-    else:
-        local = lax.broadcasted_iota(jnp.int32, (1, rc), 1)
-    row = i * g.block_pos + r0 + local
+    row = i * g.block_pos + r0 + lax.broadcasted_iota(jnp.int32, (1, rc), 1)
     valid = row < g.q_rows_total
     if prm.has_qpos:
         pos = qpos_ref[...] if full else qpos_ref[:, r0 : r0 + rc]  # (1, rc)
-        pos = _row_to_col(pos) if as_col else pos
     else:
         pos = row + prm.q_offset
     seg = None
     if prm.has_segments:
         seg = qseg_ref[...] if full else qseg_ref[:, r0 : r0 + rc]
-        seg = _row_to_col(seg) if as_col else seg
-    tile = (lambda x: _tile_col(x, gb)) if as_col else (lambda x: _tile_row(x, gb))
-    valid = tile(valid.astype(jnp.int32)) != 0
-    return tile(pos), valid, (tile(seg) if seg is not None else None)
+    valid = _tile_row(valid.astype(jnp.int32), gb) != 0
+    return _tile_row(pos, gb), valid, (_tile_row(seg, gb) if seg is not None else None)
 
 
-def _k_side(prm, j, kseg_ref, as_col, k0, ck):
-    """Key index, validity and segment of keys k0:k0+ck of the kv block."""
-    base = j * prm.geom.block_kv + k0
-    if as_col:
-        kidx = base + lax.broadcasted_iota(jnp.int32, (ck, 1), 0)
-    else:
-        kidx = base + lax.broadcasted_iota(jnp.int32, (1, ck), 1)
+def _k_side(prm, j, kseg_ref, k0, ck):
+    """Key index, validity and segment of keys k0:k0+ck of the kv block, as
+    (ck, 1) columns (every kernel's tiles hold the keys in sublanes)."""
+    kidx = j * prm.geom.block_kv + k0 + lax.broadcasted_iota(jnp.int32, (ck, 1), 0)
     seg = None
     if prm.has_segments:  # never sub-tiled: whole block
-        seg = kseg_ref[...]  # (1, bkv)
-        seg = _row_to_col(seg) if as_col else seg
+        seg = _row_to_col(kseg_ref[...])  # (1, bkv) -> (bkv, 1)
     return kidx, kidx < prm.geom.kv_len, seg
 
 
@@ -379,12 +362,12 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         k = _keys(k_ref, k0, ck)
         vt = vt_ref[...] if ck == vt_ref.shape[1] else vt_ref[:, pl.ds(k0, ck)]
         if masked:
-            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, True, k0, ck)
+            kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, k0, ck)
             if kv_tail:  # unspecified data past the end must not reach the matmul
                 vt = jnp.where(_key_valid_row(prm, j, k0, ck), vt, jnp.zeros_like(vt))
         s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
         if masked:
-            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, False, r0, unit)
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, r0, unit)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             s = jnp.where(mask, s, NEG_INF)
         m_prev = m_ref[a]
