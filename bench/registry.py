@@ -170,6 +170,39 @@ def _ours_moe_quantized(dtype: str, blocks: bool):
     return build
 
 
+def _ours_moe_mxfp4(point, generation, ctx) -> Built:
+    """moe_experts on MXFP4 weights in the kernels' layout ([E, in/2, out]
+    bytes, e8m0 scales per 32 inputs): the quantized minimum is a quarter of
+    bf16's bytes plus 1/64 for scales."""
+    op = _contract_entry("ragged_dot_tpu", "moe_experts", generation, is_transposed=True)
+    mx = _import("ragged_dot_tpu.mxfp4")
+
+    def fn(x, w_gate_up, w_down, ids, weights, gate_up_scale, down_scale):
+        return op(
+            x,
+            ids,
+            weights,
+            w_gate_up,
+            w_down,
+            None,
+            None,
+            gate_up_scale,
+            down_scale,
+            num_experts=w_gate_up.shape[0],
+        )
+
+    def quantize(w):
+        return mx.abstract(w.shape) if isinstance(w, jax.ShapeDtypeStruct) else mx.quantize(w)
+
+    def adapt_args(x, w_gate_up, w_down, ids, weights):
+        gu, gu_s = quantize(w_gate_up)
+        dn, dn_s = quantize(w_down)
+        return x, gu, dn, ids, weights, gu_s, dn_s
+
+    name = "ours_moe_experts_mxfp4"
+    return Built(fn, (name, generation), glue_key=(name,), adapt_args=adapt_args)
+
+
 def _ours_ragged_dot(point, generation, ctx) -> Built:
     gmm = _contract_entry("ragged_dot_tpu", "ragged_dot", generation)
 
@@ -456,6 +489,15 @@ for _dtype, _blocks, _what in (
             ours=True,
         )
     )
+register(
+    Impl(
+        "ours_moe_experts_mxfp4",
+        "moe",
+        "ragged_dot_tpu.api.moe_experts, weight-only MXFP4 (e2m1 weights, e8m0 scales per 32)",
+        _ours_moe_mxfp4,
+        ours=True,
+    )
+)
 register(
     Impl(
         "ours_ragged_dot",

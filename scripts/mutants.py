@@ -62,6 +62,7 @@ RD_OPS = "kernels/ragged_dot/ragged_dot_tpu/ops.py"
 MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
 MOE_DEC = "kernels/ragged_dot/ragged_dot_tpu/kernel_moe_decode.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
+MX = "kernels/ragged_dot/ragged_dot_tpu/mxfp4.py"
 FA = "kernels/flash_attention/flash_attention_tpu/kernel_fwd.py"
 FA_BWD = "kernels/flash_attention/flash_attention_tpu/kernel_bwd.py"
 FA_API = "kernels/flash_attention/flash_attention_tpu/api.py"
@@ -75,6 +76,7 @@ T_RMS_OP = "tests/rmsnorm/test_torch_op.py"
 T_GMM = "tests/ragged_dot/test_gmm.py"
 T_RD_OP = "tests/ragged_dot/test_torch_op.py"
 T_QUANT = "tests/ragged_dot/test_quantized.py"
+T_MX = "tests/ragged_dot/test_mxfp4.py"
 T_ROUTE = "tests/ragged_dot/test_routing.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
 T_DEC = "tests/ragged_dot/test_moe_decode.py"
@@ -149,8 +151,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-row-mask",
         GMM,
-        "keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
-        "keep = ridx < r_hi",
+        "            keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)\n\n",
+        "            keep = ridx < r_hi\n\n",
         (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
         "gmm: lower row mask dropped (a group overwrites its neighbour's shared tile rows)",
     ),
@@ -603,6 +605,47 @@ MUTANTS: tuple[Mutant, ...] = (
         "scale = 1.0 / math.sqrt(head_dim)",
         (f"{T_FA_OP}::test_attention_forward_padding_masks_and_sinks[none]",),
         "binding: softmax_scale ignored",
+    ),
+    # -- MXFP4 ------------------------------------------------------------------
+    Mutant(
+        "mx-subnormal",
+        MX,
+        "v = jnp.minimum(f, f + f - 1.0)",
+        "v = f",
+        (f"{T_MX}::test_decode_pairs_gives_every_byte_its_two_e2m1_values",),
+        "decode: the subnormal codes (0, 0.5) read as normals (0.5, 0.75)",
+    ),
+    Mutant(
+        "mx-high-sign",
+        MX,
+        "_SPREAD_SIGN = (1 << 12) | (1 << 24)",
+        "_SPREAD_SIGN = (1 << 12) | (1 << 23)",
+        (f"{T_MX}::test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference",),
+        "decode: the odd k's sign taken from its exponent bit",
+    ),
+    Mutant(
+        "mx-scale-rows",
+        MX,
+        "jnp.broadcast_to(v[:, None, :], (nb, BLOCK, v.shape[1])).reshape(rows, v.shape[1])",
+        "jnp.repeat(scale_values(s[: 2 * nb]).astype(dtype), BLOCK // 2, axis=0)",
+        (f"{T_MX}::test_each_scale_reaches_its_own_32_rows_and_column",),
+        "scales: spread over 16 rows (bytes) instead of 32 (values)",
+    ),
+    Mutant(
+        "mx-piece-scales",
+        GMM,
+        "w = w * mxfp4.spread_scales(sbuf[slot, :, pl.ds(c0, width)], contraction)",
+        "w = w * mxfp4.spread_scales(sbuf[slot, :, pl.ds(0, width)], contraction)",
+        (f"{T_MX}::test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference",),
+        "gmm: every slab piece scaled by the first piece's scales",
+    ),
+    Mutant(
+        "mx-torch-layout",
+        EXPERTS,
+        "w = weight.detach().view(torch.uint8).transpose(1, 2).contiguous()",
+        "w = weight.detach().view(torch.uint8).reshape(weight.shape[0], weight.shape[2], -1)",
+        (f"{T_MX}::test_torch_fp4_experts_convert_like_to_kernel_layout_and_check_float_scales",),
+        "experts_forward: FP4 weights reshaped, not transposed, to the kernel layout",
     ),
 )
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import pytest
 
 from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
-from ragged_dot_tpu import tiling
+from ragged_dot_tpu import mxfp4, tiling
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
 from ragged_dot_tpu.kernel_tgmm import tgmm
@@ -164,6 +164,10 @@ def gate_program(point) -> GateProgram:
         return _mixed_program(point[1:])
     if point[0] == "moe_decode":
         return _moe_decode_program(point[1:])
+    if point[0] == "mxfp4":
+        return _mxfp4_program(point[1:])
+    if point[0] == "mxfp4_moe_layer":
+        return _mxfp4_layer_program(point[1:])
     model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
@@ -226,6 +230,53 @@ def _quantized_program(point) -> GateProgram:
     fn = functools.partial(gmm, transpose_rhs=transpose, scale_axis=axis, config=generation)
     args = [spec((m, rows_k)), spec((e, n, k), jnp.dtype(wdt)), spec((e,), jnp.int32), scale]
     return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
+
+
+# MXFP4 gmm (mxfp4's kernel layout, decoded to bf16 per slab piece): Qwen3
+# at decode and prefill and GPT-OSS's unaligned 2880 at decode, on every
+# generation (v5e has no bf16 VPU: its decode runs in f32, slower, but
+# compiles). (kind, model, projection, tokens, generation)
+MXFP4_POINTS = [
+    ("mxfp4", model, proj, tokens, gen)
+    for model, proj, tokens, gen in itertools.product(
+        ["qwen3_30b_a3b", "gpt_oss_20b"], PROJECTIONS, [64, 8192], ["v5e", "v6e", "tpu7x"]
+    )
+    if tokens == 64 or model == "qwen3_30b_a3b"
+]
+
+
+def _mxfp4_program(point) -> GateProgram:
+    model, projection, tokens, generation = point
+    e, top_k, k, n = _dims(model, projection)
+    w, s = mxfp4.abstract((e, k, n))
+    fn = functools.partial(gmm, scale_axis="mx", config=generation)
+    args = [spec((tokens * top_k, k)), w, spec((e,), jnp.int32), s]
+    return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
+
+
+def _mxfp4_layer_program(point) -> GateProgram:
+    """A whole MXFP4 experts layer at 64 tokens, forward and the gradient
+    w.r.t. hidden states and routing weights (d_lhs dequantizes in XLA):
+    Qwen3 (silu), GPT-OSS (biases, interleaved clamped GLU)."""
+    model, generation = point
+    e, top_k, h, i = MODELS[model]
+    t = 64
+    gpt = model == "gpt_oss_20b"
+    kw = dict(num_experts=e, is_transposed=True, config=generation)
+    kw.update(activation="gpt_oss", is_concatenated=False) if gpt else None
+    gu, gu_s = mxfp4.abstract((e, h, 2 * i))
+    dn, dn_s = mxfp4.abstract((e, i, h))
+
+    def fn(hid, idx, w, gu, dn, gu_b, dn_b, gu_s, dn_s):
+        layer = lambda hid, w: moe_experts(hid, idx, w, gu, dn, gu_b, dn_b, gu_s, dn_s, **kw)  # noqa: E731
+        loss = lambda hid, w: jnp.sum(layer(hid, w).astype(jnp.float32))  # noqa: E731
+        return layer(hid, w), jax.grad(loss, argnums=(0, 1))(hid, w)
+
+    bias = [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)] if gpt else [None, None]
+    args = [spec((t, h)), spec((t, top_k), jnp.int32), spec((t, top_k)), gu, dn]
+    if gpt:
+        return GateProgram(fn, [*args, *bias, gu_s, dn_s], generation)
+    return GateProgram(lambda *a: fn(*a[:5], None, None, *a[5:]), [*args, gu_s, dn_s], generation)
 
 
 # lhs and rhs of different dtypes (the MXU runs in rhs's: f32 rows cast to bf16
@@ -438,6 +489,23 @@ def test_quantized_gmm_compiles(point, pool):
     ids=_id,
 )
 def test_quantized_moe_layer_fwd_and_grad_compile(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", MXFP4_POINTS, ids=_id)
+def test_mxfp4_gmm_compiles(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        ("mxfp4_moe_layer", "qwen3_30b_a3b", "tpu7x"),
+        ("mxfp4_moe_layer", "gpt_oss_20b", "v6e"),
+    ],
+    ids=_id,
+)
+def test_mxfp4_moe_layer_fwd_and_grad_compile(point, pool):
     pool.assert_ok(__file__, point)
 
 

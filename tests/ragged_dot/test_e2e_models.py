@@ -152,3 +152,101 @@ def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeyp
         got = ours.generate(ids, max_new_tokens=2, do_sample=False)
         want = ref.generate(ids, max_new_tokens=2, do_sample=False)
     assert torch.equal(got, want)
+
+
+def _fp4_checkpoint(path):
+    """Rewrites the tiny checkpoint at `path` as an FP4-experts one, as
+    DeepSeek-V4-style checkpoints ship: each expert projection's weight
+    [out, in/2] int8 (two e2m1 values a byte, the even input in the low
+    nibble) and `weight_scale_inv` [out, in/32] float8_e8m0fnu, quantized by
+    the test's own code table (not the library's quantizer)."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    sd = load_file(path / "model.safetensors")
+    for name in [n for n in sd if ".mlp.experts." in n and n.endswith("_proj.weight")]:
+        w = sd[name].double().numpy()  # [out, in]
+        blocks = w.reshape(w.shape[0], -1, 32)
+        exp = np.ceil(np.log2(np.abs(blocks).max(-1) / 6.0))  # every block's max fits 6
+        q = blocks / np.exp2(exp)[..., None]
+        code = np.abs(np.abs(q)[..., None] - grid).argmin(-1) | np.where(q < 0, 8, 0)
+        code = code.reshape(w.shape[0], -1, 2).astype(np.uint8)
+        sd[name] = torch.from_numpy((code[..., 0] | (code[..., 1] << 4)).view(np.int8))
+        sd[name + "_scale_inv"] = torch.from_numpy((exp + 127).astype(np.uint8)).view(
+            torch.float8_e8m0fnu
+        )
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "expert_dtype": "fp4",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": None,
+        "activation_scheme": "dynamic",
+        "modules_to_not_convert": ["q_proj", "k_proj", "v_proj", "o_proj", "gate", "lm_head"],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _fp4_dequantized(weight, scale_inv):
+    """FP4Experts weights [E, out, in/2] int8 + [E, out, in/32] e8m0 in f32 [E, out, in]."""
+    lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    b = weight.view(torch.uint8).long()
+    vals = torch.stack([lut[b & 15], lut[b >> 4]], -1).reshape(*weight.shape[:-1], -1)
+    return vals * torch.exp2(scale_inv.view(torch.uint8).float() - 127).repeat_interleave(32, -1)
+
+
+def test_fp4_checkpoint_experts_run_as_mxfp4(kernel, tmp_path, monkeypatch):
+    """transformers' FP4 experts (FineGrainedFP8Config expert_dtype='fp4': int8
+    weights holding two e2m1 values a byte, e8m0 scales per 32 inputs) through
+    our experts_forward: the weights stay 4-bit in the model, the kernels read
+    them converted once to their layout, and the logits and greedy tokens equal
+    an f32 model holding the dequantized expert weights."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    monkeypatch.setattr(
+        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer,
+        "validate_environment",
+        lambda self, *a, **k: None,
+    )
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return kernel.experts_forward(*args, **kwargs)
+
+    ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_fp4_counted", counted)
+    sizes = dict(hidden_size=128, head_dim=32, moe_intermediate_size=96, num_experts=4)
+    _save_tiny("qwen3_moe", tmp_path / "ref", **sizes)
+    _save_tiny("qwen3_moe", tmp_path / "fp4", **sizes)
+    _fp4_checkpoint(tmp_path / "fp4")
+    ours = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp4", experts_implementation="ragged_dot_tpu_fp4_counted", dtype=torch.float32
+    ).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref", experts_implementation="eager", dtype=torch.float32
+    ).eval()
+    for lq, lr in zip(ours.model.layers, ref.model.layers):
+        eq, er = lq.mlp.experts, lr.mlp.experts
+        assert eq.gate_up_proj.dtype == eq.down_proj.dtype == torch.int8
+        assert eq.gate_up_proj.shape[-1] == 64  # 128 inputs, two a byte
+        er.gate_up_proj.data = _fp4_dequantized(eq.gate_up_proj, eq.gate_up_proj_scale_inv)
+        er.down_proj.data = _fp4_dequantized(eq.down_proj, eq.down_proj_scale_inv)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+        assert len(calls) == 2  # one per layer: the FP4 experts ran through our kernel
+        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, want)
+    # Converted once per layer and kept while the weights do not change.
+    experts = ours.model.layers[0].mlp.experts
+    kept = experts.__dict__["_ragged_dot_tpu_fp4"]
+    with torch.no_grad():
+        ours(ids)
+    assert experts.__dict__["_ragged_dot_tpu_fp4"] is kept

@@ -18,7 +18,7 @@ import jax
 
 import jax.numpy as jnp
 
-from . import checks, moe, tiling
+from . import checks, moe, mxfp4, tiling
 from .kernel_gmm import gmm
 from .kernel_moe_decode import fused_moe_decode
 from .kernel_tgmm import tgmm
@@ -41,8 +41,9 @@ def _hbm_view(rhs, transpose_rhs):
 
     The kernels take rhs as XLA lays it out in HBM (tiling.weight_minor_swapped):
     the swap is a bitcast there, not the copy of every expert's weights that a
-    row-major request would cost."""
-    if tiling.weight_minor_swapped(rhs.shape):
+    row-major request would cost. FP4 weights come in mxfp4's kernel layout,
+    which XLA keeps row-major: read as they are."""
+    if tiling.weight_minor_swapped(rhs.shape) and not mxfp4.is_mxfp4(rhs.dtype):
         return jnp.swapaxes(rhs, 1, 2), not transpose_rhs, True
     return rhs, transpose_rhs, False
 
@@ -56,6 +57,8 @@ def _kernel_scale(rhs_scale, swapped, channel_axis):
     reads it (swapped with it), "block" in both passes."""
     if rhs_scale is None:
         return None, None
+    if rhs_scale.ndim == 3 and jnp.dtype(rhs_scale.dtype) in mxfp4.SCALE_DTYPES:
+        return rhs_scale, "mx"
     s = rhs_scale.astype(jnp.float32)
     if s.ndim == 2:
         return s, channel_axis
@@ -137,6 +140,11 @@ def ragged_dot_bwd(
     # The MXU runs in the inputs' dtype: a wider cotangent (f32 output of bf16
     # inputs) is rounded once, here, whichever operand of tgmm it becomes.
     grad = grad.astype(lhs.dtype)
+    if mxfp4.is_mxfp4(rhs.dtype):
+        # d_lhs of FP4 weights contracts on N, across the packing: the weights
+        # are dequantized by XLA (every local expert's, each backward call)
+        # and d_lhs is a bf16 gmm. Right, not fast: for adapters on a frozen model.
+        rhs, rhs_scale = mxfp4.dequantize(rhs, rhs_scale, lhs.dtype), None
     # d_lhs = grad @ (s * W)^T: per-channel scales sit on the contraction axis.
     scale, scale_axis = _kernel_scale(rhs_scale, swapped, "k")
     # rhs as [G, K, N]: d_lhs contracts grad with rhs on N (transposed read);
@@ -154,7 +162,7 @@ def ragged_dot_bwd(
         config=cfg_lhs,
         interpret=interpret,
     )
-    if rhs_scale is not None:  # quantized weights are frozen
+    if args[4] is not None:  # quantized weights are frozen
         return d_lhs, None, None, None, None, d_bias
     if transpose_rhs:
         d_rhs = tgmm(
@@ -205,14 +213,19 @@ def ragged_dot(
       lhs: [M, K] bfloat16 or float32, rows sorted by group.
       rhs: [G_local, K, N] bfloat16 or float32 ([G_local, N, K] with
         transpose_rhs: torch-style Linear weights, used without a copy); or
-        weight-only quantized, int8 or float8_e4m3fn, with rhs_scale. The MXU
-        runs in rhs's dtype (lhs is cast to it, as megablox does); quantized
-        rhs is widened to lhs's dtype instead.
+        weight-only quantized, int8 or float8_e4m3fn, with rhs_scale; or
+        MXFP4, uint8 [G_local, K/2, N] in mxfp4's kernel layout (two e2m1
+        values a byte; checkpoints' [G, N, K/2] go through
+        mxfp4.to_kernel_layout once), not transpose_rhs. The MXU runs in
+        rhs's dtype (lhs is cast to it, as megablox does); quantized rhs is
+        widened to lhs's dtype instead.
       rhs_scale: with quantized rhs, [G_local, N] float32 (or bfloat16)
         per-output-channel scales: the weights are rhs[g, :, n] * rhs_scale[g, n];
         or 128 x 128 block scales [G_local, A/128, B/128] in rhs's own axis
         order (rhs [G_local, A, B], A and B multiples of 128; FP8 checkpoints'
-        `weight_scale_inv` for transpose_rhs): rhs[g, a, b] * rhs_scale[g, a//128, b//128].
+        `weight_scale_inv` for transpose_rhs): rhs[g, a, b] * rhs_scale[g, a//128, b//128];
+        with MXFP4 rhs, e8m0 scales [G_local, S, N] (uint8 or float8_e8m0fnu,
+        S = K/32 or mxfp4.scale_rows(K)), one per 32 k of a column.
         Quantized weights and their scales are frozen: they get no gradient
         (zeros), lhs does.
       bias: [G_local, N] bfloat16 or float32, or None: bias[g] is added to the

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import tiling
+from . import mxfp4, tiling
 from .moe import ACTIVATIONS
 
 _SUPPORTED = "bfloat16 or float32"
@@ -34,16 +34,50 @@ def check_dtype(name: str, dtype) -> jnp.dtype:
     return dt
 
 
-def check_weight_scale(name: str, w, scale, n: int, scale_name: str) -> None:
+def check_mxfp4(name: str, w, scale, scale_name: str, *, transposed: bool) -> None:
+    """uint8 (MXFP4) weights: mxfp4's kernel layout [G, K/2, N], e8m0 scales
+    [G, S, N] with S = K/32 or mxfp4.scale_rows(K)."""
+    if transposed:
+        raise ValueError(
+            f"{name}: MXFP4 (uint8) weights are taken in mxfp4's kernel layout"
+            f" [G, K/2, N] ({'transpose_rhs=False' if name == 'rhs' else 'is_transposed=True'});"
+            " convert checkpoint [G, N, K/2] weights once with mxfp4.to_kernel_layout"
+        )
+    g, kh, n = w.shape
+    k = 2 * kh
+    if scale is None:
+        raise ValueError(
+            f"{scale_name}: expected e8m0 scales [{g}, {mxfp4.scale_rows(k)}, {n}] for"
+            f" MXFP4 {name}, got None"
+        )
+    if jnp.dtype(scale.dtype) not in mxfp4.SCALE_DTYPES:
+        raise ValueError(
+            f"{scale_name}: expected uint8 or float8_e8m0fnu (e8m0) scales for MXFP4"
+            f" {name}, got {_dtype_name(scale)}"
+        )
+    rows = (k // mxfp4.BLOCK, mxfp4.scale_rows(k))
+    shape = tuple(np.shape(scale))
+    if k % mxfp4.BLOCK or len(shape) != 3 or shape[::2] != (g, n) or shape[1] not in rows:
+        raise ValueError(
+            f"{scale_name}: expected shape ({g}, {rows[1]}, {n}) (or {rows[0]} rows: one"
+            f" scale per 32 k of each of the {n} columns, K = 2 * {name}.shape[1] = {k},"
+            f" a multiple of 32), got {shape}"
+        )
+
+
+def check_weight_scale(name: str, w, scale, n: int, scale_name: str, transposed=False) -> None:
     """A weight's dtype and its scales: bfloat16/float32 weights take none;
     int8/float8_e4m3fn weights [G, A, B] need float32/bfloat16 scales, per
     output channel [G, n] or per 128 x 128 block [G, A/128, B/128] (A and B
-    multiples of 128)."""
+    multiples of 128); uint8 ones are MXFP4 (check_mxfp4)."""
     wdt = jnp.dtype(w.dtype)
+    if mxfp4.is_mxfp4(wdt):
+        return check_mxfp4(name, w, scale, scale_name, transposed=transposed)
     if not tiling.is_quantized(wdt):
         if wdt not in tiling.SUPPORTED_DTYPES:
             raise ValueError(
-                f"{name}.dtype: expected {_SUPPORTED}, or int8 / float8_e4m3fn with scales,"
+                f"{name}.dtype: expected {_SUPPORTED}, or int8 / float8_e4m3fn / uint8"
+                " (MXFP4) with scales,"
                 f" got {wdt.name}"
             )
         if scale is not None:
@@ -107,7 +141,7 @@ def check_ragged_dot_args(
         )
     check_dtype("lhs.dtype", lhs.dtype)
     n = rhs.shape[1 if transpose_rhs else 2]
-    check_weight_scale("rhs", rhs, rhs_scale, n, "rhs_scale")
+    check_weight_scale("rhs", rhs, rhs_scale, n, "rhs_scale", transposed=transpose_rhs)
     if bias is not None:
         if tuple(np.shape(bias)) != (rhs.shape[0], n):
             raise ValueError(
@@ -116,7 +150,10 @@ def check_ragged_dot_args(
             )
         check_dtype("bias.dtype", bias.dtype)
     k_axis = 2 if transpose_rhs else 1
-    if lhs.shape[1] != rhs.shape[k_axis]:
+    packed = 2 if mxfp4.is_mxfp4(rhs.dtype) else 1
+    if lhs.shape[1] != rhs.shape[k_axis] * packed:
+        if packed == 2:
+            rhs_layout = "[G, K/2, N]"
         want = rhs_layout.replace("K", f"K={lhs.shape[1]}")
         raise ValueError(f"rhs: expected shape {want} to match lhs [M, K], got {tuple(rhs.shape)}")
     if np.ndim(group_sizes) != 1:
@@ -212,8 +249,14 @@ def check_moe_args(
             f"gate_up/down: expected {num_experts} experts (num_experts), got"
             f" {gate_up.shape[0]} and {down.shape[0]}"
         )
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if mxfp4.is_mxfp4(w.dtype) and not is_transposed:
+            check_mxfp4(name, w, None, name + "_scale", transposed=True)
     up_in, up_out = gate_up.shape[1:] if is_transposed else gate_up.shape[:0:-1]
     dn_in, dn_out = down.shape[1:] if is_transposed else down.shape[:0:-1]
+    if is_transposed:  # MXFP4 weights pack their input dim
+        up_in *= 2 if mxfp4.is_mxfp4(gate_up.dtype) else 1
+        dn_in *= 2 if mxfp4.is_mxfp4(down.dtype) else 1
     if up_in != h:
         raise ValueError(
             f"gate_up: expected input dim H={h} (is_transposed={is_transposed}),"
@@ -227,8 +270,9 @@ def check_moe_args(
             f"down: expected [E, {inter}, {h}] (is_transposed) or [E, {h}, {inter}],"
             f" got shape {tuple(down.shape)}"
         )
-    check_weight_scale("gate_up", gate_up, gate_up_scale, up_out, "gate_up_scale")
-    check_weight_scale("down", down, down_scale, dn_out, "down_scale")
+    t = not is_transposed
+    check_weight_scale("gate_up", gate_up, gate_up_scale, up_out, "gate_up_scale", transposed=t)
+    check_weight_scale("down", down, down_scale, dn_out, "down_scale", transposed=t)
     if activation == "gpt_oss" and not has_gate:
         raise ValueError("activation: 'gpt_oss' is a gated activation; has_gate=False")
     if activation not in ACTIVATIONS:

@@ -62,6 +62,13 @@ where each expert's scales land beside its slab), and each column block is
 one full-depth MXU pass, rows x K work per column block instead of
 dequantizing K x N.
 
+FP4 weights (``scale_axis="mx"``, mxfp4.py's kernel layout): rhs
+[G_local, K/2, N] bytes with [G_local, S, N] e8m0 scales. The DMA moves a
+quarter of bf16's bytes (plus 1/64 for scales). Each slab piece is decoded on
+the VPU into bf16 weights in k order (mxfp4.decode_pairs: both nibbles of a
+byte at once, as the halves of a 32-bit word), multiplied by its scales
+repeated over their 32 rows (a sublane broadcast), and contracted as bf16 is.
+
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it
 issues so the two can be compared.
@@ -78,7 +85,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from . import tiling
+from . import mxfp4, tiling
 
 
 def _resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype):
@@ -235,6 +242,8 @@ def _gmm_kernel(
             # pad each row to a sublane tile: an 8x copy of every expert's
             # scales on every call).
             scale_src = None if scale_axis is None else scale_row(j)
+            if scale_axis == "mx":
+                scale_src = scale_hbm.at[j]
         else:
             col = n_q * block_n
             if block_n % 128 == 0:
@@ -245,6 +254,8 @@ def _gmm_kernel(
                 src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
             if scale_axis == "n":
                 scale_src = scale_hbm.at[pl.ds(j, 1), pl.ds(col, block_n)]
+            elif scale_axis == "mx":
+                scale_src = scale_hbm.at[j, :, pl.ds(col, block_n)]
             elif scale_axis in ("k", "block"):  # the whole expert's scales
                 scale_src = scale_row(j)
         dmas = [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
@@ -328,7 +339,9 @@ def _gmm_kernel(
     na = state_ref[0]
     tile_lo = t_i * block_m
     tile_hi = jnp.minimum(tile_lo + block_m, m)
-    piece_n, n_pieces, tail_n = tiling.gmm_pieces(block_n)
+    piece_n, n_pieces, tail_n = tiling.gmm_pieces(
+        block_n, tiling.MXFP4_PIECE if scale_axis == "mx" else 512
+    )
 
     def process(a, lo, hi):
         q = n_i * na + a
@@ -388,8 +401,25 @@ def _gmm_kernel(
                 outs.append(slab_dot((x * row).astype(compute_dtype), c0 + cb * 128, 128))
             return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
+        def mx_dot(r0, size, c0, width):
+            """x @ the FP4 slab's columns [c0, c0 + width): the piece decoded to
+            bf16 in k order, times its scales spread over their 32 rows, straight
+            into the MXU (decoding once into VMEM for all of a group's row
+            passes was slower at decode sizes: 1,570 against 952 bundles a piece
+            at 8 Qwen3 tokens on v6e, the stores and reloads of the piece)."""
+            b = wbuf[slot, :, pl.ds(c0, width)].astype(jnp.int32)
+            w = mxfp4.decode_pairs(b)
+            w = w * mxfp4.spread_scales(sbuf[slot, :, pl.ds(c0, width)], contraction)
+            return lax.dot_general(
+                lhs_ref[pl.ds(r0, size), :],
+                w.astype(compute_dtype),
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+
         def emit(r0, size):
-            if scale_axis != "block":  # block_dot reads and scales its own rows
+            if scale_axis in ("n", "k", None):  # block_dot and mx_dot read their own rows
                 x = lhs_ref[pl.ds(r0, size), :]
                 if scale_axis == "k":
                     x = x.astype(jnp.float32) * sbuf[slot]
@@ -402,6 +432,8 @@ def _gmm_kernel(
             def columns(c0, width):
                 if scale_axis == "block":
                     y = block_dot(r0, size, c0, width)
+                elif scale_axis == "mx":
+                    y = mx_dot(r0, size, c0, width)
                 else:
                     y = slab_dot(x, c0, width)
                 if scale_axis == "n":
@@ -475,8 +507,12 @@ def gmm(
         [G_local, S]: the weights are rhs * scale along `scale_axis`; or
         block scales [G_local, A/128 * B/128] for rhs [G_local, A, B]
         (rhs[g, a, b] * scale[g, (a // 128) * (B // 128) + b // 128]).
+        With uint8 (FP4) rhs in mxfp4's kernel layout, [G_local, K/2, N]
+        (not transpose_rhs): its e8m0 scales [G_local, S, N], uint8 or
+        float8_e8m0fnu, S = K/32 or mxfp4.scale_rows(K).
       scale_axis: "n" (S = N, the output columns), "k" (S = K, the
-        contraction) or "block" (A, B multiples of 128); required with rhs_scale.
+        contraction), "block" (A, B multiples of 128) or "mx" (FP4); required
+        with rhs_scale.
       transpose_rhs: contract rhs on its last axis (rhs given as [G, N, K]).
       preferred_element_type: output dtype (default: result type of inputs).
         Accumulation is always f32; lhs is cast to rhs's dtype for the MXU
@@ -492,6 +528,29 @@ def gmm(
     num_local = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    w_dtype = jnp.dtype(rhs.dtype)  # as tiling sizes it (FP4 before its int8 view)
+    mx = mxfp4.is_mxfp4(w_dtype)
+    if mx:
+        rhs_k *= 2
+        if transpose_rhs or scale_axis != "mx" or rhs_scale is None:
+            raise ValueError(
+                "gmm: uint8 (FP4) rhs is [G, K/2, N] (mxfp4's kernel layout), with"
+                f" scale_axis='mx'; got transpose_rhs={transpose_rhs}, scale_axis={scale_axis!r}"
+            )
+        rows = {k // mxfp4.BLOCK, mxfp4.scale_rows(k)}
+        if (
+            k % mxfp4.BLOCK
+            or rhs_scale.ndim != 3
+            or tuple(rhs_scale.shape[::2]) != (num_local, n)
+            or rhs_scale.shape[1] not in rows
+        ):
+            raise ValueError(
+                f"gmm: FP4 rhs needs K a multiple of 32 and rhs_scale [{num_local},"
+                f" {sorted(rows)}, {n}]; got lhs {tuple(lhs.shape)}, rhs_scale"
+                f" {tuple(rhs_scale.shape)}"
+            )
+    elif scale_axis == "mx":
+        raise ValueError(f"gmm: scale_axis='mx' needs uint8 (FP4) rhs, got {rhs.dtype}")
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs_k != k:
         layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
         raise ValueError(
@@ -506,7 +565,10 @@ def gmm(
             f" {jnp.dtype(rhs.dtype).name}, rhs_scale {rhs_scale is not None},"
             f" scale_axis {scale_axis!r}"
         )
-    if quantized:
+    if mx:
+        rhs_scale = mxfp4.scale_bytes(rhs_scale)
+        compute_dtype = lhs.dtype
+    elif quantized:
         if scale_axis == "block":
             a_dim, b_dim = rhs.shape[1:]
             want = (num_local, (a_dim // 128) * (b_dim // 128))
@@ -530,7 +592,7 @@ def gmm(
     if m == 0 or n == 0 or k == 0 or num_local == 0 or num_groups == 0:
         out = jnp.zeros((m, n), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
-    cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, rhs.dtype, out_dtype)
+    cfg = _resolve_config(config, m, k, n, num_local, lhs.dtype, w_dtype, out_dtype)
     sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n, sub)
     bm, bn = cfg.block_m, cfg.block_n
@@ -564,7 +626,7 @@ def gmm(
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         out_shape.append(jax.ShapeDtypeStruct((n_blocks * num_local + 1,), jnp.int32))
     buffers = cfg.weight_buffers
-    wshape = (buffers, bn, k) if transpose_rhs else (buffers, k, bn)
+    wshape = (buffers, bn, k) if transpose_rhs else (buffers, k // 2 if mx else k, bn)
     scratch = [
         pltpu.VMEM(wshape, rhs.dtype),
         pltpu.SemaphoreType.DMA((buffers,)),
@@ -574,6 +636,11 @@ def gmm(
     if scale_axis == "block":
         scratch += [
             pltpu.SMEM((buffers, rhs_scale.shape[1]), jnp.float32),
+            pltpu.SemaphoreType.DMA((buffers,)),
+        ]
+    elif mx:
+        scratch += [
+            pltpu.VMEM((buffers, rhs_scale.shape[1], bn), jnp.uint8),
             pltpu.SemaphoreType.DMA((buffers,)),
         ]
     elif quantized:
@@ -612,8 +679,8 @@ def gmm(
         bytes_accessed=int(
             m * k * isz(lhs.dtype)
             + m * n * isz(out_dtype)
-            + num_local * k * n * isz(rhs.dtype)
-            + (num_local * rhs_scale.shape[-1] * 4 if quantized else 0)
+            + num_local * rhs_k * n * isz(rhs.dtype) // (2 if mx else 1)
+            + (rhs_scale.size * isz(rhs_scale.dtype) if quantized else 0)
         ),
     )
     call = pl.pallas_call(
@@ -631,7 +698,7 @@ def gmm(
             vmem_limit_bytes=tiling.vmem_limit_for(
                 cfg.vmem_limit_bytes,
                 tiling.gmm_vmem_bytes(
-                    m, k, n, bm, bn, chunk, lhs.dtype, rhs.dtype, out_dtype, buffers
+                    m, k, n, bm, bn, chunk, lhs.dtype, w_dtype, out_dtype, buffers
                 ),
             ),
         ),

@@ -21,6 +21,12 @@ activations stay in bf16 (no activation quantization, so the result is the
 dequantized model's, slightly more exact than FP8 x FP8). Register the same
 function for them: `ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu",
 kernel.experts_forward)`.
+
+FP4 experts (`FineGrainedFP8Config(expert_dtype="fp4")`: int8 weights
+[E, N, K/2] holding two e2m1 values a byte, with e8m0 or power-of-two float
+scales [E, N, K/32]) run as MXFP4: the first call converts each projection
+once to the kernels' layout (mxfp4.to_kernel_layout) and keeps it on the
+module; later calls reuse it while the weights are unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import mxfp4
 from .ops import _moe_experts, ragged_dot
 
 # transformers activation modules (by class name) -> our activation names.
@@ -97,14 +104,56 @@ def _fp8_scale(module, weight, scale_inv):
     return scale[..., 0].repeat_interleave(out // parts, dim=1)
 
 
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """FP4 scales as e8m0 bytes: float8_e8m0fnu viewed, float32 converted
+    (powers of two only: the kernels scale by exponent)."""
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return scale.view(torch.uint8)
+    s = scale.float()
+    e = torch.log2(s)
+    if not bool(torch.all((s > 0) & (e == torch.round(e)) & (e >= -127) & (e <= 127))):
+        raise NotImplementedError(
+            "experts_forward: FP4 experts with float scales that are not powers of two;"
+            " MXFP4 scales are e8m0 (FineGrainedFP8Config(scale_fmt='ue8m0'))"
+        )
+    return (e + 127).to(torch.uint8)
+
+
+def _fp4_projection(weight, scale):
+    """One FP4 projection ([E, N, K/2] int8, [E, N, K/32] scales) in mxfp4's
+    kernel layout (mxfp4.to_kernel_layout's rule, in torch ops so the
+    tensors stay on their device)."""
+    w = weight.detach().view(torch.uint8).transpose(1, 2).contiguous()
+    s = _e8m0(scale.detach()).transpose(1, 2)
+    pad = mxfp4.scale_rows(2 * weight.shape[-1]) - s.shape[1]
+    s = torch.nn.functional.pad(s, (0, 0, 0, pad), value=127).contiguous()
+    return w, s
+
+
+def _fp4_weights(module, gate_up, down):
+    """(gate_up, its scales, down, its scales) of FP4 experts in the kernels'
+    layout, converted once and kept on the module; None for other experts."""
+    if gate_up.dtype not in (torch.int8, getattr(torch, "float4_e2m1fn_x2", None)):
+        return None
+    prefix = "gate_up_proj" if module.has_gate else "up_proj"
+    up_s = getattr(module, f"{prefix}_scale_inv", None)
+    down_s = getattr(module, "down_proj_scale_inv", None)
+    if up_s is None or down_s is None or up_s.shape[-1] * mxfp4.BLOCK != 2 * gate_up.shape[-1]:
+        return None
+    key = tuple((t.data_ptr(), t._version) for t in (gate_up, down, up_s, down_s))
+    cached = module.__dict__.get("_ragged_dot_tpu_fp4")
+    if cached is None or cached[0] != key:
+        cached = (key, *_fp4_projection(gate_up, up_s), *_fp4_projection(down, down_s))
+        module.__dict__["_ragged_dot_tpu_fp4"] = cached
+    return cached[1:]
+
+
 def _scales(module, gate_up, down):
     """(gate_up scales, down scales) of weight-only quantized experts, else (None, None)."""
     if gate_up.element_size() > 1 and down.element_size() > 1:
         return None, None
-    if gate_up.dtype == torch.int8 and hasattr(module, "down_proj_scale_inv"):
-        raise NotImplementedError(
-            "experts_forward: FP4-packed experts (int8 storage, expert_dtype='fp4') are not supported"
-        )
     prefix = "gate_up_proj" if module.has_gate else "up_proj"
     up_scale = getattr(module, f"{prefix}_scale_inv", None)
     down_scale = getattr(module, "down_proj_scale_inv", None)
@@ -121,8 +170,7 @@ def experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers experts interface: [T, H], [T, k] ids, [T, k] weights -> [T, H]."""
-    gate_up, down, up_bias, down_bias = _weights(self)
-    up_scale, down_scale = _scales(self, gate_up, down)
+    gate_up, down, up_bias, down_bias, up_scale, down_scale, is_transposed = _layer_weights(self)
     activation = _fused_activation(self)
     if activation is None:
         return _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -136,7 +184,7 @@ def experts_forward(
         down_bias,
         int(self.num_experts),
         bool(self.has_gate),
-        bool(getattr(self, "is_transposed", False)),
+        is_transposed,
         bool(getattr(self, "is_concatenated", True)),
         activation,
         0,
@@ -147,12 +195,24 @@ def experts_forward(
     )
 
 
+def _layer_weights(module):
+    """(gate_up, down, their biases, their scales, is_transposed) as the kernels
+    take them: FP4 experts converted (cached) to mxfp4's [E, in/2, out] layout."""
+    gate_up, down, up_bias, down_bias = _weights(module)
+    fp4 = _fp4_weights(module, gate_up, down)
+    if fp4 is not None:
+        gate_up, up_scale, down, down_scale = fp4
+        return gate_up, down, up_bias, down_bias, up_scale, down_scale, True
+    up_scale, down_scale = _scales(module, gate_up, down)
+    is_transposed = bool(getattr(module, "is_transposed", False))
+    return gate_up, down, up_bias, down_bias, up_scale, down_scale, is_transposed
+
+
 def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Slower path for gates and norms we cannot fuse: two ragged-dot kernel calls,
     the model's own `_apply_gate` / `act_fn` / `post_expert_norm` between them."""
-    gate_up, down, up_bias, down_bias = _weights(self)
-    up_scale, down_scale = _scales(self, gate_up, down)
-    transpose = not getattr(self, "is_transposed", False)
+    gate_up, down, up_bias, down_bias, up_scale, down_scale, is_transposed = _layer_weights(self)
+    transpose = not is_transposed
     dtype = hidden_states.dtype if up_scale is not None else gate_up.dtype
     num_tokens, k = top_k_index.shape
     num_experts = int(self.num_experts)

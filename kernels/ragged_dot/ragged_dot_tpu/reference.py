@@ -21,7 +21,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, moe, tiling
+from . import checks, moe, mxfp4, tiling
 
 
 def tolerance(dtype, k: int = 128, scale: float = 1.0) -> dict:
@@ -41,7 +41,10 @@ def shard_rows(group_sizes, group_offset, num_local):
 
 def dequantize(rhs, rhs_scale):
     """rhs [G, A, B] in f32, times its scales if any: [G, B] per output channel,
-    or [G, A/128, B/128] per 128 x 128 block."""
+    or [G, A/128, B/128] per 128 x 128 block; MXFP4 (uint8 [G, K/2, N]) by its
+    code table (mxfp4.dequantize), not the kernels' bit arithmetic."""
+    if mxfp4.is_mxfp4(rhs.dtype):
+        return mxfp4.dequantize(rhs, rhs_scale)
     w = rhs.astype(jnp.float32)
     if rhs_scale is None:
         return w

@@ -60,6 +60,7 @@ import math
 
 import jax.numpy as jnp
 
+from . import mxfp4
 from ._torch_bindings import tpu_info
 
 MiB = tpu_info.MiB
@@ -68,8 +69,9 @@ TGMM_CHUNK_M = 512
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Weight-only quantized expert weights: the kernel DMAs these bytes and widens
-# each slab piece to the activations' dtype in VMEM, with per-channel scales.
-QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+# each slab piece to the activations' dtype in VMEM, with their scales. uint8
+# is packed FP4 (mxfp4.py): two values a byte.
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), mxfp4.WEIGHT_DTYPE)
 
 
 def is_quantized(dtype) -> bool:
@@ -285,25 +287,39 @@ def weight_minor_swapped(shape) -> bool:
     return swapped < as_given
 
 
-def gmm_pieces(block_n: int) -> tuple[int, int, int]:
+def gmm_pieces(block_n: int, widest: int = 512) -> tuple[int, int, int]:
     """(piece width, full pieces, tail width) of a gmm weight slab.
 
     An aligned slab is consumed in `piece` columns. An unaligned one (GPT-OSS:
     N = 2880) goes in 256-column pieces and one narrower tail: as a single
     2880-wide piece, a transposed slab ([N, K], d_lhs) made Mosaic emit one
-    unrolled transpose of the whole slab (17 s to compile one kernel)."""
-    if block_n % 128 and block_n > 256:
-        return 256, block_n // 256, block_n % 256
-    p = piece(block_n)
+    unrolled transpose of the whole slab (17 s to compile one kernel).
+    FP4 slabs take `widest` = MXFP4_PIECE: each piece is decoded into
+    temporaries of its full depth first."""
+    if block_n % 128 and block_n > min(256, widest):
+        w = min(256, widest)
+        return w, block_n // w, block_n % w
+    p = piece(block_n, widest)
     return p, block_n // p, 0
 
 
-def piece(block_n: int) -> int:
+def piece(block_n: int, widest: int = 512) -> int:
     """Columns per MXU pass over a slab: 512 (or 256/128) when that divides it."""
     for p in (512, 256, 128):
-        if block_n % p == 0:
+        if p <= widest and block_n % p == 0:
             return p
     return block_n
+
+
+# FP4 pieces: a [K/2, piece] slab piece is decoded through temporaries of
+# ~16 bytes per weight (the bytes as int32 and two products of them, the bf16
+# values, the spread scales and the scaled weights).
+MXFP4_PIECE = 256
+MXFP4_TEMP_BYTES = 16
+
+
+def widest_piece(w_dtype) -> int:
+    return MXFP4_PIECE if mxfp4.is_mxfp4(w_dtype) else 512
 
 
 # Weight slabs in flight behind the one on the MXU: enough bytes to keep HBM
@@ -317,6 +333,8 @@ def weight_buffers(k: int, bn: int, w_dtype, gen: Generation) -> int:
     """Slots for the weight stream: one on the MXU plus enough in flight to
     cover IN_FLIGHT_S at HBM speed (at least two)."""
     slab = weight_rows(k, w_dtype) * _lane(bn) * jnp.dtype(w_dtype).itemsize
+    if mxfp4.is_mxfp4(w_dtype):
+        slab //= 2
     in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
     return min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // slab)))
 
@@ -344,17 +362,23 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     kp, np_ = _lane(k), _lane(bn)
     need = lhs_bufs * bm * kp * ib
     need += out_bufs * bm * np_ * ob
-    need += buffers * weight_rows(k, w_dtype) * np_ * wb  # the weight stream's slots
-    if is_quantized(w_dtype):
+    mx = mxfp4.is_mxfp4(w_dtype)
+    if mx:  # [K/2, bn] byte slots and [S, bn] scale slots
+        need += buffers * (round_up(k // 2, 32) + mxfp4.scale_rows(k)) * np_
+    else:
+        need += buffers * weight_rows(k, w_dtype) * np_ * wb  # the weight stream's slots
+    if is_quantized(w_dtype) and not mx:
         need += buffers * 8 * _lane(max(k, bn)) * 4
     # Row passes: the lhs rows (cast), the f32 product, the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
     need += rows * kp * 4
-    p, _, tail = gmm_pieces(bn)
+    p, _, tail = gmm_pieces(bn, widest_piece(w_dtype))
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += 2 * rows * pp * 4 + rows * pp * ob
-        if is_quantized(w_dtype):
+        if mx:  # the decode's temporaries
+            need += MXFP4_TEMP_BYTES * round_up(k, 32) * pp
+        elif is_quantized(w_dtype):
             need += round_up(k, 16) * pp * ib
     return need
 
@@ -363,6 +387,7 @@ def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen, bufs) -> float:
     tiles = -(-m // bm)
     n_blocks = -(-n // bn)
     lhs_reads = 1 if tiles == 1 else n_blocks
+    # wb: bytes a weight (0.5 + the scales' share for FP4)
     nbytes = g * k * n * wb + lhs_reads * m * k * ib + m * n * ob
     t = nbytes / gen.hbm_bytes_per_s + tiles * n_blocks * STEP_OVERHEAD_S
     if bufs < 3:  # nothing queued behind the arriving slab: each pays its latency
@@ -401,9 +426,8 @@ def gmm_config(
                 smallest_need = (need, bm, bn)
             if need > gen.vmem_budget:
                 continue
-            t = _gmm_time(
-                m, k, n, g, bm, bn, dtype.itemsize, w_dtype.itemsize, out_dtype.itemsize, gen, bufs
-            )
+            wb = 0.5 + 1 / mxfp4.BLOCK if mxfp4.is_mxfp4(w_dtype) else w_dtype.itemsize
+            t = _gmm_time(m, k, n, g, bm, bn, dtype.itemsize, wb, out_dtype.itemsize, gen, bufs)
             if best is None or t < best[0]:
                 best = (t, bm, bn, chunk, need, bufs)
     if best is None:
@@ -656,14 +680,14 @@ def fused_moe_config(
 ) -> FusedMoeConfig | None:
     """The one-launch layer's blocks, or None where the layer runs as two gmm
     launches (more tokens than fused_moe_max_tokens; f32 weights, or quantized
-    ones with 128 x 128 block scales; biases or GPT-OSS's interleaved gate/up,
+    ones with 128 x 128 block scales, FP4; biases or GPT-OSS's interleaved gate/up,
     which the kernel does not carry; an I whose gate/up halves, slices or
     scale slices would not start on a memory tile; no fit in VMEM). int8 /
     fp8 weights with per-channel scales are carried."""
     bf16 = jnp.dtype(jnp.bfloat16)
     gen = get_generation(generation)
     quantized = is_quantized(w_dtype)
-    if tokens < 1 or has_bias or block_scales:
+    if tokens < 1 or has_bias or block_scales or mxfp4.is_mxfp4(w_dtype):
         return None
     if jnp.dtype(hidden_dtype) != bf16 or not (jnp.dtype(w_dtype) == bf16 or quantized):
         return None

@@ -1,0 +1,307 @@
+"""MXFP4 expert weights (e2m1 values two a byte, e8m0 scales per 32 k) in
+ragged_dot, moe_experts and transformers' FP4 experts, interpret mode, against
+the f32 reference on weights decoded by the code table (mxfp4.dequantize; the
+kernel decodes by bit arithmetic, mxfp4.decode_pairs).
+
+Tolerances (tests/tolerances.py): an e2m1 value times a power-of-two scale is
+exact in bf16, so the kernel's bf16 weights are the dequantized weights
+exactly, bf16 x bf16 products are exact in f32, and the forward rounds once,
+at the output: roundings=0. d_lhs runs a bf16 gmm on the same exact weights
+and rounds once to bf16: roundings=0 as well.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+from ragged_dot_tpu import mxfp4, tiling
+from ragged_dot_tpu.api import moe_experts, ragged_dot
+from ragged_dot_tpu.kernel_gmm import gmm
+from ragged_dot_tpu.reference import moe_experts_reference, ragged_dot_reference
+from tolerances import assert_close
+
+E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]  # the OCP MX spec's FP4 values, by code 0..7
+
+
+def _table_value(code: int) -> float:
+    sign = -1.0 if code & 8 else 1.0
+    return sign * E2M1[code & 7]
+
+
+def test_decode_pairs_gives_every_byte_its_two_e2m1_values():
+    # All 256 bytes, as the kernel widens its uint8 slab (0..255): rows 2j
+    # and 2j + 1 of the result are byte j's low and high nibbles.
+    b = jnp.arange(256, dtype=jnp.int32).reshape(128, 2)
+    got = np.asarray(jax.jit(mxfp4.decode_pairs)(b).astype(jnp.float32))
+    assert got.shape == (256, 2)
+    u = np.asarray(b) & 0xFF
+    want = np.empty((256, 2), np.float32)
+    want[0::2] = np.vectorize(_table_value)(u & 15)
+    want[1::2] = np.vectorize(_table_value)(u >> 4)
+    np.testing.assert_array_equal(got, want)
+    # -0.0 keeps its sign bit (the MXU cannot tell, but a decode that drops it
+    # would be dropping the sign of every value).
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_quantize_keeps_grid_values_and_round_trips_the_checkpoint_layout():
+    rng = np.random.default_rng(0)
+    g, k, n = 2, 96, 40
+    codes = rng.integers(0, 16, (g, k, n))
+    codes[:, ::32, :] = 7  # every block holds a 6, so its quantized scale is exps
+    codes[codes == 8] = 0  # quantize writes a zero as +0
+    exps = rng.integers(-4, 3, (g, k // 32, n))
+    vals = np.vectorize(_table_value)(codes) * np.exp2(np.repeat(exps, 32, axis=1))
+    packed, scales = mxfp4.quantize(vals)
+    assert packed.dtype == jnp.uint8 and packed.shape == (g, k // 2, n)
+    assert scales.shape == (g, mxfp4.scale_rows(k), n)
+    np.testing.assert_array_equal(np.asarray(mxfp4.dequantize(packed, scales)), vals)
+    np.testing.assert_array_equal(np.asarray(scales)[:, : k // 32], exps + 127)
+    # Checkpoint layout ([G, N, K/2] bytes, the even k in the low nibble;
+    # GPT-OSS's [G, N, K/32, 16] blocks) -> kernel layout.
+    ck = np.zeros((g, n, k // 2), np.uint8)
+    ck[:] = np.swapaxes((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), 1, 2)
+    ck_s = np.swapaxes(np.asarray(scales)[:, : k // 32], 1, 2)
+    for blocks in (ck, ck.reshape(g, n, k // 32, 16)):
+        w, s = mxfp4.to_kernel_layout(blocks, ck_s)
+        np.testing.assert_array_equal(w, np.asarray(packed))
+        np.testing.assert_array_equal(np.asarray(mxfp4.dequantize(w, s)), vals)
+
+
+def _sizes(draw, m, g):
+    total = draw(st.sampled_from([m, max(m - 5, 0), m // 2]))
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
+    edges = [0, *cuts, total]
+    return [b - a for a, b in zip(edges[:-1], edges[1:])]
+
+
+@st.composite
+def problems(draw):
+    m = draw(st.sampled_from([1, 12, 40, 64]))
+    k = draw(st.sampled_from([64, 160, 256]))
+    n = draw(st.sampled_from([96, 128, 256, 512]))
+    g_total = draw(st.integers(1, 4))
+    sizes = _sizes(draw, m, g_total)
+    g_local = draw(st.integers(1, g_total))
+    offset = draw(st.integers(0, g_total - g_local))
+    lhs_dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
+    scale_dtype = draw(st.sampled_from([jnp.uint8, jnp.float8_e8m0fnu]))
+    padded = draw(st.booleans())  # scale rows K/32, or rounded up to 32
+    small = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return m, k, n, sizes, g_local, offset, lhs_dtype, scale_dtype, padded, small, seed
+
+
+def _config(small, k, n):
+    if not small:
+        return "v6e"
+    slab = lambda d: 128 if d % 128 == 0 and d > 128 else d  # noqa: E731
+    return tiling.RaggedDotConfig(
+        tiling.GmmConfig(16, slab(n), 16, weight_buffers=2),
+        tiling.GmmConfig(16, slab(k), 16, weight_buffers=3),
+        tiling.TgmmConfig(16, k, n, 16),
+    )
+
+
+# Several row tiles and N slabs with a 2-slot ring and an expert-parallel
+# shard; f32 activations; unpadded float8_e8m0fnu scale rows; a slab of two
+# 256-column pieces (each decoded with its own scales).
+@example((64, 256, 256, [20, 0, 25, 9], 3, 1, jnp.bfloat16, jnp.uint8, True, True, 3))
+@example((12, 64, 512, [12], 1, 0, jnp.bfloat16, jnp.uint8, True, False, 5))
+@example((40, 160, 96, [15, 20], 2, 0, jnp.float32, jnp.float8_e8m0fnu, False, False, 4))
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(problems())
+def test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
+    m, k, n, sizes, g_local, offset, lhs_dtype, scale_dtype, padded, small, seed = problem
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), lhs_dtype)
+    # Scales spread over 2^-9 .. 2^2: a decode that lost the exponent shows.
+    w = rng.standard_normal((g_local, k, n)) * np.exp2(rng.integers(-9, 3, (g_local, 1, n)))
+    packed, scales = mxfp4.quantize(w)
+    if not padded:
+        scales = scales[:, : k // 32]
+    scales = jax.lax.bitcast_convert_type(scales, scale_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    ct = jnp.asarray(rng.standard_normal((m, n)), lhs_dtype)
+    f = functools.partial(
+        ragged_dot,
+        rhs=packed,
+        group_sizes=gs,
+        group_offset=offset,
+        rhs_scale=scales,
+        config=_config(small, k, n),
+        interpret=True,
+    )
+    out, vjp = jax.vjp(f, lhs)
+    (d_lhs,) = vjp(ct)
+    assert out.dtype == lhs_dtype and d_lhs.dtype == lhs_dtype
+
+    def ref(a, c, absolute=False):
+        rhs = mxfp4.dequantize(packed, scales)
+        rhs = jnp.abs(rhs) if absolute else rhs
+        fn = lambda x: ragged_dot_reference(x, rhs, gs, offset, jnp.float32)  # noqa: E731
+        o, v = jax.vjp(fn, a)
+        return o, v(c)[0]
+
+    want_out, want_d = ref(lhs.astype(jnp.float32), ct.astype(jnp.float32))
+    mag_out, mag_d = ref(jnp.abs(lhs.astype(jnp.float32)), jnp.abs(ct.astype(jnp.float32)), True)
+    assert_close(out, want_out, magnitude=mag_out, dtype=lhs_dtype, roundings=0, what="out")
+    assert_close(d_lhs, want_d, magnitude=mag_d, dtype=lhs_dtype, roundings=0, what="d_lhs")
+
+
+@pytest.mark.parametrize(
+    "activation, concatenated, bias",
+    [("silu", True, False), ("gpt_oss", False, True)],
+    ids=["qwen3_style", "gpt_oss_style"],
+)
+def test_mxfp4_moe_experts_matches_reference_with_gradients(activation, concatenated, bias):
+    rng = np.random.default_rng(7)
+    t, h, i, e, k = 12, 128, 96, 6, 2
+    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    gu, gu_s = mxfp4.quantize(rng.standard_normal((e, h, 2 * i)) * 0.1)
+    dn, dn_s = mxfp4.quantize(rng.standard_normal((e, i, h)) * 0.1)
+    gu_b = jnp.asarray(rng.standard_normal((e, 2 * i)) * 0.1, jnp.float32) if bias else None
+    dn_b = jnp.asarray(rng.standard_normal((e, h)) * 0.1, jnp.float32) if bias else None
+    kw = dict(num_experts=e, is_transposed=True, activation=activation)
+    kw["is_concatenated"] = concatenated
+
+    def ours(x, w):
+        return moe_experts(x, ids, w, gu, dn, gu_b, dn_b, gu_s, dn_s, interpret=True, **kw)
+
+    def ref(x, w):
+        return moe_experts_reference(
+            x, ids, w, gu, dn, gu_b, dn_b, e, True, True, concatenated, activation, 0, 1.702,
+            7.0, gu_s, dn_s,
+        )  # fmt: skip
+
+    ct = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    out, vjp = jax.vjp(ours, hidden, weights)
+    want, vjp_ref = jax.vjp(ref, hidden, weights)
+    # Same rounding points as the reference (projections to bf16, the
+    # activation once): summation order only, a bf16 ulp of the output scale.
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2**-6 * scale, rtol=2**-6
+    )
+    for name, got, w in zip(("d_hidden", "d_weights"), vjp(ct), vjp_ref(ct)):
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), w, atol=2**-5 * np.abs(w).max(), rtol=2**-5, err_msg=name
+        )
+
+
+def test_each_scale_reaches_its_own_32_rows_and_column():
+    # One block scaled up at a time: only the output column of that block
+    # changes, by the block's own contribution times the scale change.
+    k, n = 128, 128
+    rng = np.random.default_rng(3)
+    packed, scales = mxfp4.quantize(rng.standard_normal((1, k, n)))
+    lhs = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
+    sizes = jnp.asarray([8], jnp.int32)
+    run = functools.partial(ragged_dot, lhs, packed, sizes, interpret=True)
+    base = np.asarray(run(rhs_scale=scales, preferred_element_type=jnp.float32))
+    w = np.asarray(mxfp4.dequantize(packed, scales))
+    x = np.asarray(lhs, np.float32)
+    for blk, col in ((0, 0), (3, 77), (1, 127)):
+        bumped = np.asarray(scales).copy()
+        bumped[0, blk, col] += 1  # doubles that block
+        got = np.asarray(run(rhs_scale=jnp.asarray(bumped), preferred_element_type=jnp.float32))
+        rows = slice(32 * blk, 32 * blk + 32)
+        want = base.copy()
+        want[:, col] += x[:, rows] @ w[0, rows, col]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+BAD = [
+    (
+        dict(rhs_scale=jnp.ones((2, 32, 128), jnp.float32)),
+        "rhs_scale: expected uint8 or float8_e8m0fnu",
+    ),
+    (
+        dict(rhs_scale=jnp.ones((2, 5, 128), jnp.uint8)),
+        "rhs_scale: expected shape \\(2, 32, 128\\)",
+    ),
+    (dict(rhs_scale=None), "rhs_scale: expected e8m0 scales \\[2, 32, 128\\]"),
+    (dict(transpose_rhs=True, rhs=jnp.ones((2, 128, 32), jnp.uint8)), "mxfp4.to_kernel_layout"),
+    (dict(lhs=jnp.ones((8, 32), jnp.bfloat16)), "rhs: expected shape \\[G, K=32/2, N\\]"),
+]
+
+
+@pytest.mark.parametrize("kw, match", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_mxfp4_arguments_raise_value_error(kw, match):
+    args = dict(
+        lhs=jnp.ones((8, 64), jnp.bfloat16),
+        rhs=jnp.ones((2, 32, 128), jnp.uint8),
+        group_sizes=jnp.asarray([4, 4], jnp.int32),
+        rhs_scale=jnp.full((2, 32, 128), 127, jnp.uint8),
+    )
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        ragged_dot(**args, interpret=True)
+
+
+def test_moe_experts_names_the_layout_of_checkpoint_mxfp4_weights():
+    e, h, i = 4, 64, 128
+    with pytest.raises(ValueError, match="gate_up: MXFP4 .*mxfp4.to_kernel_layout"):
+        moe_experts(
+            jnp.ones((3, h), jnp.bfloat16),
+            jnp.zeros((3, 2), jnp.int32),
+            jnp.ones((3, 2), jnp.float32),
+            jnp.ones((e, 2 * i, h // 2), jnp.uint8),  # [E, 2I, H/2]: the checkpoint's layout
+            jnp.ones((e, h, i // 2), jnp.uint8),
+            None,
+            None,
+            jnp.ones((e, 2 * i, h // 32), jnp.uint8),
+            jnp.ones((e, h, i // 32), jnp.uint8),
+            num_experts=e,
+        )
+
+
+def test_gmm_takes_mxfp4_only_with_its_scale_axis():
+    with pytest.raises(ValueError, match="scale_axis='mx'"):
+        gmm(
+            jnp.ones((8, 64), jnp.bfloat16),
+            jnp.ones((2, 32, 128), jnp.uint8),
+            jnp.ones(2, jnp.int32),
+            rhs_scale=jnp.ones((2, 2, 128), jnp.uint8),
+            scale_axis="n",
+        )
+    with pytest.raises(ValueError, match="needs uint8 \\(FP4\\) rhs"):
+        gmm(
+            jnp.ones((8, 64), jnp.bfloat16),
+            jnp.ones((2, 64, 128), jnp.int8),
+            jnp.ones(2, jnp.int32),
+            rhs_scale=jnp.ones((2, 2, 128), jnp.uint8),
+            scale_axis="mx",
+        )
+
+
+def test_torch_fp4_experts_convert_like_to_kernel_layout_and_check_float_scales():
+    # transformers' FP4 experts hold int8 [E, N, K/2] and scales [E, N, K/32],
+    # e8m0 or float32 (scale_fmt="float"); experts_forward converts them in
+    # torch ops, by to_kernel_layout's rule.
+    import torch
+
+    from ragged_dot_tpu.layers import _fp4_projection
+
+    rng = np.random.default_rng(4)
+    e, n, k = 2, 48, 96
+    w = rng.integers(-128, 128, (e, n, k // 2)).astype(np.int8)
+    s = rng.integers(120, 131, (e, n, k // 32)).astype(np.uint8)
+    want_w, want_s = mxfp4.to_kernel_layout(w.view(np.uint8), s)
+    as_e8m0 = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+    as_float = torch.from_numpy(np.exp2(s.astype(np.float32) - 127))
+    for scale in (as_e8m0, as_float):
+        got_w, got_s = _fp4_projection(torch.from_numpy(w), scale)
+        np.testing.assert_array_equal(got_w.numpy(), want_w)
+        np.testing.assert_array_equal(got_s.numpy(), want_s)
+    with pytest.raises(NotImplementedError, match="not powers of two"):
+        _fp4_projection(torch.from_numpy(w), as_float * 1.5)
