@@ -640,6 +640,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm: every slab piece scaled by the first piece's scales",
     ),
     Mutant(
+        "mx-once-columns",
+        GMM,
+        "                dst = (pl.ds(r0, size), pl.ds(c0, width))\n                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])\n\n            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)",
+        "                dst = (pl.ds(r0, size), pl.ds(0, width))\n                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])\n\n            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)",
+        (f"{T_MX}::test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference",),
+        "gmm: a many-row group's decoded pieces all written to the first columns",
+    ),
+    Mutant(
         "mx-torch-layout",
         EXPERTS,
         "w = weight.detach().view(torch.uint8).transpose(1, 2).contiguous()",

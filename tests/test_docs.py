@@ -56,7 +56,12 @@ def substitute(code: str, tiny_paths: dict[str, str], device: str) -> str:
 
 # What each snippet must produce: one check per ```python block, in document order.
 CHECKS = {
-    "README.md": ["check_experts", "check_string_attention", "check_registered_attention"],
+    "README.md": [
+        "check_experts",
+        "check_string_attention",
+        "check_registered_attention",
+        "check_mxfp4",
+    ],
     "rmsnorm-tpu": ["check_rmsnorm_functions", "check_kernelize"],
     "ragged-dot-tpu": ["check_experts"],
     "flash-attention-tpu": ["check_string_attention", "check_registered_attention"],
@@ -266,6 +271,21 @@ def check_experts(ns, ctx):
     assert len(calls) == model.config.num_hidden_layers, calls  # our experts ran in every MoE layer
     want = _reference_logits(model, ids, experts_implementation="eager")
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def check_mxfp4(ns, ctx):
+    import numpy as np
+
+    # The checkpoint's bytes decoded by the OCP table, independently of the kernel.
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    blocks, scales = ns["blocks"], ns["scales"]
+    vals = np.stack([table[blocks & 15], table[blocks >> 4]], -1).reshape(*blocks.shape[:2], -1)
+    w = vals * np.exp2(scales.astype(np.float64) - 127).repeat(32, -1)  # [G, N, K]
+    x, out = ns["x"].float().cpu().numpy(), ns["out"]
+    assert out.shape == (10, w.shape[1]) and out.dtype == ns["torch"].bfloat16
+    groups = np.repeat(np.arange(4), [3, 0, 5, 2])
+    want = np.einsum("mk,mnk->mn", x, w[groups])
+    np.testing.assert_allclose(out.float().cpu().numpy(), want, rtol=2**-7, atol=1e-2)
 
 
 def check_string_attention(ns, ctx):

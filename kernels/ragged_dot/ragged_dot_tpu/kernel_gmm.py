@@ -211,6 +211,8 @@ def _gmm_kernel(
     wbuf, sem, active_ref, state_ref, *rest = rest
     if scale_axis:
         sbuf, ssem, *rest = rest
+    if scale_axis == "mx":
+        wdec, *rest = rest  # a slab piece decoded, [K, piece]
     if manual_lhs:
         # One row tile: lhs is copied by hand, so its DMA is queued with the
         # weights' instead of being waited for (a whole DMA latency) before
@@ -401,22 +403,45 @@ def _gmm_kernel(
                 outs.append(slab_dot((x * row).astype(compute_dtype), c0 + cb * 128, 128))
             return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
-        def mx_dot(r0, size, c0, width):
-            """x @ the FP4 slab's columns [c0, c0 + width): the piece decoded to
-            bf16 in k order, times its scales spread over their 32 rows, straight
-            into the MXU (decoding once into VMEM for all of a group's row
-            passes was slower at decode sizes: 1,570 against 952 bundles a piece
-            at 8 Qwen3 tokens on v6e, the stores and reloads of the piece)."""
+        def mx_piece(c0, width):
+            """The FP4 slab's columns [c0, c0 + width) as bf16 in k order: each
+            byte's nibbles decoded, times the scales spread over their 32 rows."""
             b = wbuf[slot, :, pl.ds(c0, width)].astype(jnp.int32)
             w = mxfp4.decode_pairs(b)
             w = w * mxfp4.spread_scales(sbuf[slot, :, pl.ds(c0, width)], contraction)
+            return w.astype(compute_dtype)
+
+        def mx_dot(r0, size, c0, width):
+            """x @ the FP4 slab's columns [c0, c0 + width), decoded straight into
+            the MXU (a group with few rows: one pass, see mx_decode_once)."""
             return lax.dot_general(
                 lhs_ref[pl.ds(r0, size), :],
-                w.astype(compute_dtype),
+                mx_piece(c0, width),
                 (((1,), (0,)), ((), ())),
                 precision=precision,
                 preferred_element_type=jnp.float32,
             )
+
+        def mx_decode_once(c0, width):
+            """A group with many rows (prefill): the piece decoded once into
+            wdec, then every row pass of the group against it, so the decode,
+            the VPU's work, is paid once per piece, not once per pass."""
+            wdec[:, pl.ds(0, width)] = mx_piece(c0, width)
+
+            def emit_mx(r0, size):
+                ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+                keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
+                y = lax.dot_general(
+                    lhs_ref[pl.ds(r0, size), :],
+                    wdec[:, pl.ds(0, width)],
+                    (((1,), (0,)), ((), ())),
+                    precision=precision,
+                    preferred_element_type=jnp.float32,
+                )
+                dst = (pl.ds(r0, size), pl.ds(c0, width))
+                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
+
+            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)
 
         def emit(r0, size):
             if scale_axis in ("n", "k", None):  # block_dot and mx_dot read their own rows
@@ -449,7 +474,29 @@ def _gmm_kernel(
             if tail_n:
                 columns(n_pieces * piece_n, tail_n)
 
-        row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
+        if scale_axis != "mx":
+            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
+            return
+        # Decoding straight into the MXU wins while a group takes one or two
+        # passes (its stores and reloads of the piece cost more than a second
+        # decode); past that, decoding each piece once does (scheduled, v6e,
+        # Qwen3: at 8 tokens 952 bundles a piece straight against 1,570 via
+        # VMEM; at 8,192 tokens two decodes a piece per group straight).
+        many = r_hi - r_lo > tiling.MXFP4_DECODE_ONCE_ROWS
+
+        @pl.when(jnp.logical_not(many))
+        def _():
+            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
+
+        @pl.when(many)
+        def _():
+            def piece(c, carry):
+                mx_decode_once(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)
+                return carry
+
+            for_each_piece(n_pieces, piece)
+            if tail_n:
+                mx_decode_once(n_pieces * piece_n, tail_n)
 
     def cond(carry):
         a, go = carry
@@ -642,6 +689,7 @@ def gmm(
         scratch += [
             pltpu.VMEM((buffers, rhs_scale.shape[1], bn), jnp.uint8),
             pltpu.SemaphoreType.DMA((buffers,)),
+            pltpu.VMEM((k, tiling.gmm_pieces(bn, tiling.MXFP4_PIECE)[0]), compute_dtype),
         ]
     elif quantized:
         s_width = bn if scale_axis == "n" else k

@@ -316,6 +316,9 @@ def piece(block_n: int, widest: int = 512) -> int:
 # values, the spread scales and the scaled weights).
 MXFP4_PIECE = 256
 MXFP4_TEMP_BYTES = 16
+# Rows of a group (in one row tile) past which gmm decodes each FP4 piece
+# once into VMEM for all the group's row passes (kernel_gmm.process).
+MXFP4_DECODE_ONCE_ROWS = 128
 
 
 def widest_piece(w_dtype) -> int:
@@ -376,8 +379,8 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     p, _, tail = gmm_pieces(bn, widest_piece(w_dtype))
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += 2 * rows * pp * 4 + rows * pp * ob
-        if mx:  # the decode's temporaries
-            need += MXFP4_TEMP_BYTES * round_up(k, 32) * pp
+        if mx:  # the decode's temporaries and the decoded piece kept in VMEM
+            need += (MXFP4_TEMP_BYTES + ib) * round_up(k, 32) * pp
         elif is_quantized(w_dtype):
             need += round_up(k, 16) * pp * ib
     return need
