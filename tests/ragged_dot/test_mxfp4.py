@@ -116,7 +116,7 @@ def _config(small, k, n):
 @example((12, 64, 512, [12], 1, 0, jnp.bfloat16, jnp.uint8, True, False, 5))
 # A group of more rows than tiling.MXFP4_DECODE_ONCE_ROWS: each piece decoded
 # once into VMEM for all its row passes.
-@example((160, 64, 512, [150, 10], 2, 0, jnp.bfloat16, jnp.uint8, True, False, 6))
+@example((160, 640, 512, [150, 10], 2, 0, jnp.bfloat16, jnp.uint8, True, False, 6))
 @example((40, 160, 96, [15, 20], 2, 0, jnp.float32, jnp.float8_e8m0fnu, False, False, 4))
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(problems())
