@@ -137,10 +137,10 @@ def _quantize(w, dtype: str, blocks: bool):
     return q.astype(dtype), scale
 
 
-def _ours_moe_quantized(dtype: str, blocks: bool):
+def _ours_moe_quantized(dtype: str, blocks: bool, w8a8: bool = False):
     """moe_experts on weight-only quantized weights (same [E, in, out] layout as
     ours_moe_experts): the bytes the kernels read shrink, the layer's program is
-    otherwise the same."""
+    otherwise the same. w8a8: the activations quantized in the kernel too."""
 
     def build(point, generation, ctx) -> Built:
         op = _contract_entry("ragged_dot_tpu", "moe_experts", generation, is_transposed=True)
@@ -157,6 +157,7 @@ def _ours_moe_quantized(dtype: str, blocks: bool):
                 gate_up_scale,
                 down_scale,
                 num_experts=w_gate_up.shape[0],
+                **({"quantize_activations": True} if w8a8 else {}),
             )
 
         def adapt_args(x, w_gate_up, w_down, ids, weights):
@@ -164,7 +165,7 @@ def _ours_moe_quantized(dtype: str, blocks: bool):
             dn, dn_s = _quantize(w_down, dtype, blocks)
             return x, gu, dn, ids, weights, gu_s, dn_s
 
-        name = f"ours_moe_experts_{dtype}" + ("_blocks" if blocks else "")
+        name = f"ours_moe_experts_{'w8a8_' if w8a8 else ''}{dtype}" + ("_blocks" if blocks else "")
         return Built(fn, (name, generation), glue_key=(name,), adapt_args=adapt_args)
 
     return build
@@ -486,6 +487,17 @@ for _dtype, _blocks, _what in (
             "moe",
             f"ragged_dot_tpu.api.moe_experts, weight-only quantized: {_what}",
             _ours_moe_quantized(_dtype, _blocks),
+            ours=True,
+        )
+    )
+for _dtype, _gens in (("int8", "v5e, v6e"), ("float8_e4m3fn", "tpu7x")):
+    register(
+        Impl(
+            f"ours_moe_experts_w8a8_{_dtype}",
+            "moe",
+            f"ragged_dot_tpu.api.moe_experts, w8a8: {_dtype} weights (per channel) and"
+            f" activations quantized per row in the kernel ({_gens}'s MXU rate)",
+            _ours_moe_quantized(_dtype, False, w8a8=True),
             ours=True,
         )
     )

@@ -59,6 +59,7 @@ GMM = "kernels/ragged_dot/ragged_dot_tpu/kernel_gmm.py"
 TGMM = "kernels/ragged_dot/ragged_dot_tpu/kernel_tgmm.py"
 RD = "kernels/ragged_dot/ragged_dot_tpu/api.py"
 RD_OPS = "kernels/ragged_dot/ragged_dot_tpu/ops.py"
+RD_W8A8 = "kernels/ragged_dot/ragged_dot_tpu/w8a8.py"
 MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
 MOE_DEC = "kernels/ragged_dot/ragged_dot_tpu/kernel_moe_decode.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
@@ -77,6 +78,7 @@ T_GMM = "tests/ragged_dot/test_gmm.py"
 T_RD_OP = "tests/ragged_dot/test_torch_op.py"
 T_QUANT = "tests/ragged_dot/test_quantized.py"
 T_MX = "tests/ragged_dot/test_mxfp4.py"
+T_W8 = "tests/ragged_dot/test_w8a8.py"
 T_ROUTE = "tests/ragged_dot/test_routing.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
 T_DEC = "tests/ragged_dot/test_moe_decode.py"
@@ -654,6 +656,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "w = weight.detach().view(torch.uint8).reshape(weight.shape[0], weight.shape[2], -1)",
         (f"{T_MX}::test_torch_fp4_experts_convert_like_to_kernel_layout_and_check_float_scales",),
         "experts_forward: FP4 weights reshaped, not transposed, to the kernel layout",
+    ),
+    # -- w8a8 -------------------------------------------------------------------
+    Mutant(
+        "w8a8-row-scale",
+        GMM,
+        "                if row_scale is not None:\n                    y = y * row_scale",
+        "                if row_scale is not None:\n                    y = y",
+        (f"{T_W8}::test_w8a8_ragged_dot_matches_reference_on_quantized_rows",),
+        "gmm w8a8: the rows' quantization scales never multiply the product back",
+    ),
+    Mutant(
+        "w8a8-qmax",
+        RD_W8A8,
+        "q = xf * jnp.where(amax > 0, qmax / amax, 0.0)",
+        "q = xf * jnp.where(amax > 0, (qmax - 1) / amax, 0.0)",
+        (f"{T_W8}::test_rows_quantize_to_their_largest_magnitude[int8]",),
+        "w8a8: rows quantized to 126, not the dtype's largest value",
     ),
 )
 

@@ -166,6 +166,8 @@ def gate_program(point) -> GateProgram:
         return _moe_decode_program(point[1:])
     if point[0] == "mxfp4":
         return _mxfp4_program(point[1:])
+    if point[0] == "w8a8":
+        return _w8a8_program(point[1:])
     if point[0] == "mxfp4_moe_layer":
         return _mxfp4_layer_program(point[1:])
     model, projection, tokens, kernel, generation = point
@@ -277,6 +279,38 @@ def _mxfp4_layer_program(point) -> GateProgram:
     if gpt:
         return GateProgram(fn, [*args, *bias, gu_s, dn_s], generation)
     return GateProgram(lambda *a: fn(*a[:5], None, None, *a[5:]), [*args, gu_s, dn_s], generation)
+
+
+# w8a8 gmm (activations quantized per row in the kernel, int8 x int8 on v5e
+# and v6e, fp8 x fp8 on tpu7x), the forward in transformers' [E, out, in]
+# layout: Qwen3 at decode and prefill, GPT-OSS's unaligned 2880.
+# (kind, model, projection, tokens, weight dtype, generation)
+W8A8_POINTS = [
+    ("w8a8", "qwen3_30b_a3b", proj, tokens, wdt, gen)
+    for proj, tokens, (wdt, gen) in itertools.product(
+        PROJECTIONS,
+        [64, 8192],
+        [("int8", "v5e"), ("int8", "v6e"), ("float8_e4m3fn", "tpu7x")],
+    )
+] + [
+    ("w8a8", "gpt_oss_20b", "gate_up", 64, wdt, gen)
+    for wdt, gen in [("int8", "v6e"), ("float8_e4m3fn", "tpu7x")]
+]
+
+
+def _w8a8_program(point) -> GateProgram:
+    model, projection, tokens, wdt, generation = point
+    e, top_k, k, n = _dims(model, projection)
+    fn = functools.partial(
+        gmm, transpose_rhs=True, scale_axis="n", quantize_lhs=True, config=generation
+    )
+    args = [
+        spec((tokens * top_k, k)),
+        spec((e, n, k), jnp.dtype(wdt)),
+        spec((e,), jnp.int32),
+        spec((e, n), jnp.float32),
+    ]
+    return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
 
 
 # lhs and rhs of different dtypes (the MXU runs in rhs's: f32 rows cast to bf16
@@ -489,6 +523,11 @@ def test_quantized_gmm_compiles(point, pool):
     ids=_id,
 )
 def test_quantized_moe_layer_fwd_and_grad_compile(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", W8A8_POINTS, ids=_id)
+def test_w8a8_gmm_compiles(point, pool):
     pool.assert_ok(__file__, point)
 
 

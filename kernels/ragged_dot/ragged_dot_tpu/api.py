@@ -103,6 +103,7 @@ def ragged_dot_fwd(
     preferred_element_type,
     config,
     interpret,
+    quantize_lhs=False,
 ):
     """Forward rule: (out, residuals). No residuals: the backward needs only the inputs."""
     fwd, _, _ = _configs(config)
@@ -121,6 +122,7 @@ def ragged_dot_fwd(
         preferred_element_type=out_dtype if bias is None else jnp.float32,
         config=fwd,
         interpret=interpret,
+        quantize_lhs=quantize_lhs,
     )
     if bias is not None:
         out = _add_bias(out, bias, group_sizes, group_offset, out_dtype)
@@ -128,11 +130,23 @@ def ragged_dot_fwd(
 
 
 def ragged_dot_bwd(
-    args, out, residuals, grad, *, transpose_rhs, preferred_element_type, config, interpret
+    args,
+    out,
+    residuals,
+    grad,
+    *,
+    transpose_rhs,
+    preferred_element_type,
+    config,
+    interpret,
+    quantize_lhs=False,
 ):
     """Backward rule: (d_lhs, d_rhs, None, None, None, d_bias) from the inputs
     and the output cotangent. Quantized weights are frozen: d_rhs and d_scale
-    are None."""
+    are None. d_lhs is the weight-only product (with quantize_lhs too: the
+    cotangent is not quantized; the forward's activation rounding is treated
+    as the identity, a straight-through estimate)."""
+    del quantize_lhs
     lhs, rhs, group_sizes, group_offset, rhs_scale, bias = args
     _, cfg_lhs, cfg_rhs = _configs(config)
     d_bias = None if bias is None else _bias_grad(grad, bias, group_sizes, group_offset)
@@ -206,6 +220,7 @@ def ragged_dot(
     config=None,
     interpret=False,
     transpose_rhs=False,
+    quantize_lhs=False,
 ):
     """``jax.lax.ragged_dot`` on TPU, differentiable in lhs, rhs and bias.
 
@@ -241,6 +256,11 @@ def ragged_dot(
         "v6e", "tpu7x"), or a tiling.RaggedDotConfig.
       interpret: run the Pallas kernels in interpret mode (CPU testing).
       transpose_rhs: rhs is given as [G_local, N, K].
+      quantize_lhs: w8a8, with int8 or float8_e4m3fn rhs and per-channel
+        scales: each row of lhs is quantized in the kernel to rhs's dtype (one
+        scale per row, w8a8.quantize_rows) and the MXU runs int8 x int8 (v5e,
+        v6e) or fp8 x fp8 (tpu7x) at twice the bf16 rate. Less exact than
+        weight-only (the activations are rounded to 8 bits); opt-in.
 
     Returns:
       [M, N] array of dtype preferred_element_type.
@@ -254,6 +274,7 @@ def ragged_dot(
         transpose_rhs=transpose_rhs,
         rhs_scale=rhs_scale,
         bias=bias,
+        quantize_lhs=quantize_lhs,
     )
     _configs(config)
     if preferred_element_type is not None:
@@ -271,6 +292,7 @@ def ragged_dot(
         preferred_element_type=preferred_element_type,
         config=config,
         interpret=interpret,
+        quantize_lhs=bool(quantize_lhs),
     )
 
 
@@ -311,6 +333,7 @@ def _moe_program(
     limit,
     config,
     interpret,
+    quantize_activations=False,
 ):
     configs = dict(zip(("up", "down"), _moe_configs(config)))
     scales = {"up": gate_up_scale, "down": down_scale}
@@ -328,6 +351,7 @@ def _moe_program(
             preferred_element_type=None,
             config=configs[which],
             interpret=interpret,
+            quantize_lhs=quantize_activations,
         )
 
     return moe.experts_program(
@@ -361,7 +385,7 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
     else None. A MoeConfig names the two projections' kernels: kept."""
     hidden, _, _, gate_up, down, gate_up_bias, down_bias, _, gate_up_scale, _ = arrays
     config = statics["config"]
-    if isinstance(config, tiling.MoeConfig):
+    if isinstance(config, tiling.MoeConfig) or statics.get("quantize_activations"):
         return None
     inter = down.shape[1] if statics["is_transposed"] else down.shape[2]
     if isinstance(config, tiling.FusedMoeConfig):
@@ -453,6 +477,7 @@ _moe_experts = differentiable(moe_experts_fwd, moe_experts_bwd)
         "limit",
         "config",
         "interpret",
+        "quantize_activations",
     ),
 )
 def moe_experts(
@@ -476,6 +501,7 @@ def moe_experts(
     limit: float = 7.0,
     config=None,
     interpret=False,
+    quantize_activations: bool = False,
 ):
     """Fused MoE experts: [T, H] hidden -> [T, H] in hidden.dtype.
 
@@ -499,6 +525,9 @@ def moe_experts(
         kernel's blocks; by default it runs where tiling.fused_moe_config
         says it applies).
       interpret: run the kernels in interpret mode.
+      quantize_activations: w8a8 for int8 / float8_e4m3fn weights with
+        per-channel scales: both projections quantize their input rows in the
+        kernel (ragged_dot's quantize_lhs); two gmm launches.
     """
     checks.check_moe_args(
         hidden,
@@ -514,6 +543,7 @@ def moe_experts(
         activation,
         gate_up_scale,
         down_scale,
+        quantize_activations,
     )
     return _moe_experts(
         hidden,
@@ -535,4 +565,5 @@ def moe_experts(
         limit=limit,
         config=config,
         interpret=interpret,
+        quantize_activations=bool(quantize_activations),
     )

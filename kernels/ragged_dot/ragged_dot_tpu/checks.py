@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import mxfp4, tiling
+from . import mxfp4, tiling, w8a8
 from .moe import ACTIVATIONS
 
 _SUPPORTED = "bfloat16 or float32"
@@ -121,6 +121,7 @@ def check_ragged_dot_args(
     transpose_rhs=False,
     rhs_scale=None,
     bias=None,
+    quantize_lhs=False,
 ) -> None:
     """Raises ValueError naming the argument when shapes or dtypes are wrong.
 
@@ -142,6 +143,8 @@ def check_ragged_dot_args(
     check_dtype("lhs.dtype", lhs.dtype)
     n = rhs.shape[1 if transpose_rhs else 2]
     check_weight_scale("rhs", rhs, rhs_scale, n, "rhs_scale", transposed=transpose_rhs)
+    if quantize_lhs:
+        check_w8a8("quantize_lhs", rhs, rhs_scale)
     if bias is not None:
         if tuple(np.shape(bias)) != (rhs.shape[0], n):
             raise ValueError(
@@ -192,6 +195,19 @@ def check_ragged_dot_args(
         check_dtype("preferred_element_type", preferred_element_type)
 
 
+def check_w8a8(name: str, w, scale) -> None:
+    """Activations quantized in the kernel (w8a8) need int8 / float8_e4m3fn
+    weights with per-output-channel scales (the row scale and the column scale
+    then multiply the integer or fp8 product)."""
+    wdt = jnp.dtype(w.dtype)
+    if wdt not in w8a8.QMAX or scale is None or np.ndim(scale) != 2:
+        raise ValueError(
+            f"{name}: w8a8 needs int8 or float8_e4m3fn weights with per-output-channel"
+            f" scales [G, N]; got {wdt.name} weights with scales of shape"
+            f" {None if scale is None else tuple(np.shape(scale))}"
+        )
+
+
 def check_group_sizes_values(group_sizes, m: int) -> None:
     """Eager check of concrete group sizes: non-negative and sum(sizes) <= m."""
     gs = np.asarray(group_sizes)
@@ -224,6 +240,7 @@ def check_moe_args(
     activation,
     gate_up_scale=None,
     down_scale=None,
+    quantize_activations=False,
 ) -> None:
     """The fused MoE layer's arguments (see api.moe_experts); ValueError naming the argument."""
     if np.ndim(hidden) != 2:
@@ -273,6 +290,9 @@ def check_moe_args(
     t = not is_transposed
     check_weight_scale("gate_up", gate_up, gate_up_scale, up_out, "gate_up_scale", transposed=t)
     check_weight_scale("down", down, down_scale, dn_out, "down_scale", transposed=t)
+    if quantize_activations:
+        check_w8a8("quantize_activations", gate_up, gate_up_scale)
+        check_w8a8("quantize_activations", down, down_scale)
     if activation == "gpt_oss" and not has_gate:
         raise ValueError("activation: 'gpt_oss' is a gated activation; has_gate=False")
     if activation not in ACTIVATIONS:

@@ -85,7 +85,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from . import mxfp4, tiling
+from . import mxfp4, tiling, w8a8
 
 
 def _resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype):
@@ -198,6 +198,7 @@ def _gmm_kernel(
     contraction,
     rhs_b,
     trace,
+    quantize_lhs=False,
 ):
     if scale_axis:
         scale_hbm, out_ref, *rest = rest
@@ -367,13 +368,18 @@ def _gmm_kernel(
         r_hi = jnp.minimum(hi, tile_hi) - tile_lo
 
         def slab_dot(x, c0, width):
-            """x @ the slab's columns [c0, c0 + width), widened to compute_dtype, in f32."""
+            """x @ the slab's columns [c0, c0 + width), widened to compute_dtype, in f32
+            (w8a8: quantized x against the slab as it is, in int32 or f32)."""
             if transpose_rhs:
                 w = wbuf[slot, pl.ds(c0, width), :]
                 dims = (((1,), (1,)), ((), ()))
             else:
                 w = wbuf[slot, :, pl.ds(c0, width)]
                 dims = (((1,), (0,)), ((), ()))
+            if quantize_lhs:
+                acc = jnp.int32 if jnp.issubdtype(w.dtype, jnp.integer) else jnp.float32
+                y = lax.dot_general(x, w, dims, preferred_element_type=acc)
+                return y.astype(jnp.float32)
             return lax.dot_general(
                 x,
                 w.astype(compute_dtype),
@@ -444,11 +450,15 @@ def _gmm_kernel(
             row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)
 
         def emit(r0, size):
+            row_scale = None
             if scale_axis in ("n", "k", None):  # block_dot and mx_dot read their own rows
                 x = lhs_ref[pl.ds(r0, size), :]
                 if scale_axis == "k":
                     x = x.astype(jnp.float32) * sbuf[slot]
-                x = x.astype(compute_dtype)
+                if quantize_lhs:
+                    x, row_scale = w8a8.quantize_rows(x, wbuf.dtype)
+                else:
+                    x = x.astype(compute_dtype)
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
             keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
 
@@ -463,6 +473,8 @@ def _gmm_kernel(
                     y = slab_dot(x, c0, width)
                 if scale_axis == "n":
                     y = y * sbuf[slot, :, pl.ds(c0, width)]
+                if row_scale is not None:
+                    y = y * row_scale
                 dst = (pl.ds(r0, size), pl.ds(c0, width))
                 out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
 
@@ -527,6 +539,7 @@ def _gmm_kernel(
         "config",
         "interpret",
         "_trace",
+        "quantize_lhs",
     ),
 )
 def gmm(
@@ -542,6 +555,7 @@ def gmm(
     config=None,
     interpret=False,
     _trace=False,
+    quantize_lhs=False,
 ):
     """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
@@ -566,6 +580,10 @@ def gmm(
         (quantized rhs is widened to lhs's dtype instead).
       config: a tiling.GmmConfig, a generation name, or None (detect).
       interpret: run the kernel in interpret mode (bool or InterpretParams).
+      quantize_lhs: w8a8 with int8 or float8_e4m3fn rhs and per-channel
+        scales on N: each row of lhs is quantized to rhs's dtype in the kernel
+        (w8a8.quantize_rows: one scale per row, its largest magnitude to the
+        dtype's largest value) and the MXU runs int8 x int8 or fp8 x fp8.
 
     Returns:
       [M, N]; rows outside this shard's groups (and past the sum) are zero.
@@ -598,6 +616,11 @@ def gmm(
             )
     elif scale_axis == "mx":
         raise ValueError(f"gmm: scale_axis='mx' needs uint8 (FP4) rhs, got {rhs.dtype}")
+    if quantize_lhs and (mx or scale_axis != "n" or not tiling.is_quantized(w_dtype)):
+        raise ValueError(
+            "gmm: quantize_lhs (w8a8) needs int8 or float8_e4m3fn rhs with per-channel"
+            f" scales on N (scale_axis='n'); got rhs {w_dtype.name}, scale_axis {scale_axis!r}"
+        )
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs_k != k:
         layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
         raise ValueError(
@@ -719,6 +742,7 @@ def gmm(
         contraction=k,
         rhs_b=rhs.shape[2],
         trace=_trace,
+        quantize_lhs=quantize_lhs,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(

@@ -21,7 +21,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checks, moe, mxfp4, tiling
+from . import checks, moe, mxfp4, tiling, w8a8
 
 
 def tolerance(dtype, k: int = 128, scale: float = 1.0) -> dict:
@@ -65,7 +65,14 @@ def as_kn(rhs, rhs_scale=None):
 
 
 def ragged_dot_reference(
-    lhs, rhs, group_sizes, group_offset=0, preferred_element_type=None, rhs_scale=None, bias=None
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset=0,
+    preferred_element_type=None,
+    rhs_scale=None,
+    bias=None,
+    quantize_lhs=False,
 ):
     """ragged_dot with rows past the sum, and other shards' rows, exactly zero.
 
@@ -76,6 +83,9 @@ def ragged_dot_reference(
     bias [G_local, N]: bias[g] added to group g's rows, in f32.
     """
     out_dtype = preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype)
+    if quantize_lhs:  # w8a8: lhs as the kernel quantizes it, then dequantized
+        q, row_scale = w8a8.quantize_rows(lhs, rhs.dtype)
+        lhs = q.astype(jnp.float32) * row_scale
     rhs = dequantize(rhs, rhs_scale)
     g_total, g_local = group_sizes.shape[0], rhs.shape[0]
     m = lhs.shape[0]
@@ -142,6 +152,7 @@ def moe_experts_reference(
     limit,
     gate_up_scale=None,
     down_scale=None,
+    quantize_activations=False,
 ):
     """moe_experts on jax.lax.ragged_dot (f32, HIGHEST), positional arguments.
 
@@ -169,7 +180,14 @@ def moe_experts_reference(
         s = scales[which]
         if not is_transposed:
             w, s = as_kn(w, s)
-        return ragged_dot_reference(x, w, group_sizes, preferred_element_type=x.dtype, rhs_scale=s)
+        return ragged_dot_reference(
+            x,
+            w,
+            group_sizes,
+            preferred_element_type=x.dtype,
+            rhs_scale=s,
+            quantize_lhs=quantize_activations,
+        )
 
     return moe.experts_program(
         hidden,
