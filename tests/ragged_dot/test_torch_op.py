@@ -166,7 +166,7 @@ BAD = [
     ),
     (
         lambda l, r, g: (l, r.half(), g),
-        r"rhs.dtype: expected bfloat16 or float32, or int8 / float8_e4m3fn with scales",
+        r"rhs.dtype: expected bfloat16 or float32, or int8 / float8_e4m3fn / uint8 \(MXFP4\) with scales",
     ),
     (
         lambda l, r, g: (l.half(), r.half(), g),
