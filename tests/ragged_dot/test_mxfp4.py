@@ -308,3 +308,19 @@ def test_torch_fp4_experts_convert_like_to_kernel_layout_and_check_float_scales(
         np.testing.assert_array_equal(got_s.numpy(), want_s)
     with pytest.raises(NotImplementedError, match="not powers of two"):
         _fp4_projection(torch.from_numpy(w), as_float * 1.5)
+
+
+def test_torch_fp4_experts_with_misshapen_scales_raise():
+    import torch
+
+    from ragged_dot_tpu.layers import _fp4_weights
+
+    class Experts:
+        has_gate = True
+        gate_up_proj_scale_inv = torch.zeros(2, 8, 3)  # K = 64 needs 2 scales a row
+        down_proj_scale_inv = torch.zeros(2, 4, 1)
+
+    gate_up = torch.zeros(2, 8, 32, dtype=torch.int8)
+    down = torch.zeros(2, 4, 16, dtype=torch.int8)
+    with pytest.raises(NotImplementedError, match=r"one scale per 32 inputs, \(2, 8, 2\)"):
+        _fp4_weights(Experts(), gate_up, down)

@@ -140,8 +140,15 @@ def _fp4_weights(module, gate_up, down):
     prefix = "gate_up_proj" if module.has_gate else "up_proj"
     up_s = getattr(module, f"{prefix}_scale_inv", None)
     down_s = getattr(module, "down_proj_scale_inv", None)
-    if up_s is None or down_s is None or up_s.shape[-1] * mxfp4.BLOCK != 2 * gate_up.shape[-1]:
+    if up_s is None or down_s is None:
         return None
+    for w, sc in ((gate_up, up_s), (down, down_s)):
+        want = (*w.shape[:2], 2 * w.shape[-1] // mxfp4.BLOCK)
+        if tuple(sc.shape) != want:
+            raise NotImplementedError(
+                f"experts_forward: FP4 experts (int8 weights {tuple(w.shape)}, two values"
+                f" a byte) need one scale per 32 inputs, {want}; got {tuple(sc.shape)}"
+            )
     key = tuple((t.data_ptr(), t._version) for t in (gate_up, down, up_s, down_s))
     cached = module.__dict__.get("_ragged_dot_tpu_fp4")
     if cached is None or cached[0] != key:
