@@ -49,3 +49,14 @@ def test_mutants_reach_every_kernel_direction_glue_and_bindings():
     assert any(m.id.startswith("fa-fwd") for m in fa)
     assert any("dw_ref" in t or "ds_ref" in t for t in texts.values())  # rmsnorm backward
     assert any(m.file.endswith("kernel_tgmm.py") for m in mod.MUTANTS)  # ragged_dot d_rhs
+
+
+def test_a_mutant_naming_a_missing_test_function_is_a_problem():
+    import dataclasses
+
+    mod = _load()
+    renamed = dataclasses.replace(
+        mod.MUTANTS[0], tests=(mod.MUTANTS[0].tests[0].split("::")[0] + "::test_renamed_away",)
+    )
+    problems = mod.check_mutants(ROOT, (renamed,))
+    assert any("no test function test_renamed_away" in p for p in problems), problems
