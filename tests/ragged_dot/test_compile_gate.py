@@ -166,8 +166,6 @@ def gate_program(point) -> GateProgram:
         return _moe_decode_program(point[1:])
     if point[0] == "mxfp4":
         return _mxfp4_program(point[1:])
-    if point[0] == "w8a8":
-        return _w8a8_program(point[1:])
     if point[0] == "mxfp4_moe_layer":
         return _mxfp4_layer_program(point[1:])
     model, projection, tokens, kernel, generation = point
@@ -222,14 +220,21 @@ def _quantized_program(point) -> GateProgram:
     model, projection, tokens, kernel, wdt, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
-    # Weights [E, N, K] (Linear layout): the forward reads them transposed.
-    transpose, axis = (True, "n") if kernel == "fwd" else (False, "k")
+    # Weights [E, N, K] (Linear layout): the forward (w8a8 too) reads them transposed.
+    fwd = kernel in ("fwd", "w8a8")
+    transpose, axis = (True, "n") if fwd else (False, "k")
     scale = spec((e, n), jnp.float32)
     if wdt.endswith("_blocks"):
         wdt, axis = wdt.removesuffix("_blocks"), "block"
         scale = spec((e, n * k // 128**2), jnp.float32)
-    rows_k = k if kernel == "fwd" else n
-    fn = functools.partial(gmm, transpose_rhs=transpose, scale_axis=axis, config=generation)
+    rows_k = k if fwd else n
+    fn = functools.partial(
+        gmm,
+        transpose_rhs=transpose,
+        scale_axis=axis,
+        quantize_lhs=kernel == "w8a8",
+        config=generation,
+    )
     args = [spec((m, rows_k)), spec((e, n, k), jnp.dtype(wdt)), spec((e,), jnp.int32), scale]
     return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
 
@@ -274,9 +279,9 @@ def _mxfp4_layer_program(point) -> GateProgram:
         loss = lambda hid, w: jnp.sum(layer(hid, w).astype(jnp.float32))  # noqa: E731
         return layer(hid, w), jax.grad(loss, argnums=(0, 1))(hid, w)
 
-    bias = [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)] if gpt else [None, None]
     args = [spec((t, h)), spec((t, top_k), jnp.int32), spec((t, top_k)), gu, dn]
     if gpt:
+        bias = [spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32)]
         return GateProgram(fn, [*args, *bias, gu_s, dn_s], generation)
     return GateProgram(lambda *a: fn(*a[:5], None, None, *a[5:]), [*args, gu_s, dn_s], generation)
 
@@ -284,33 +289,18 @@ def _mxfp4_layer_program(point) -> GateProgram:
 # w8a8 gmm (activations quantized per row in the kernel, int8 x int8 on v5e
 # and v6e, fp8 x fp8 on tpu7x), the forward in transformers' [E, out, in]
 # layout: Qwen3 at decode and prefill, GPT-OSS's unaligned 2880.
-# (kind, model, projection, tokens, weight dtype, generation)
+# (_quantized_program's points, kernel "w8a8")
 W8A8_POINTS = [
-    ("w8a8", "qwen3_30b_a3b", proj, tokens, wdt, gen)
+    ("quantized", "qwen3_30b_a3b", proj, tokens, "w8a8", wdt, gen)
     for proj, tokens, (wdt, gen) in itertools.product(
         PROJECTIONS,
         [64, 8192],
         [("int8", "v5e"), ("int8", "v6e"), ("float8_e4m3fn", "tpu7x")],
     )
 ] + [
-    ("w8a8", "gpt_oss_20b", "gate_up", 64, wdt, gen)
+    ("quantized", "gpt_oss_20b", "gate_up", 64, "w8a8", wdt, gen)
     for wdt, gen in [("int8", "v6e"), ("float8_e4m3fn", "tpu7x")]
 ]
-
-
-def _w8a8_program(point) -> GateProgram:
-    model, projection, tokens, wdt, generation = point
-    e, top_k, k, n = _dims(model, projection)
-    fn = functools.partial(
-        gmm, transpose_rhs=True, scale_axis="n", quantize_lhs=True, config=generation
-    )
-    args = [
-        spec((tokens * top_k, k)),
-        spec((e, n, k), jnp.dtype(wdt)),
-        spec((e,), jnp.int32),
-        spec((e, n), jnp.float32),
-    ]
-    return GateProgram(lambda x, w, g, s: fn(x, w, g, rhs_scale=s), args, generation)
 
 
 # lhs and rhs of different dtypes (the MXU runs in rhs's: f32 rows cast to bf16

@@ -82,6 +82,31 @@ def test_generate_matches_eager_f32_and_logits_match_bf16(family, kernel, tmp_pa
     torch.testing.assert_close(a, b, atol=5e-2 * b.abs().max().item(), rtol=5e-2)
 
 
+def _counted_fp8_experts(kernel, monkeypatch, name):
+    """Registers our experts_forward for transformers' FP8Experts (FP8 and FP4
+    weights) under `name`, counting its calls (the list returned).
+
+    transformers 5.22 refuses FP8 (or dequantizes a pre-quantized checkpoint
+    to bf16) when no CUDA/XPU device is present, a TPU host included; the
+    README says so. Here its environment check is skipped to get FP8Experts."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    monkeypatch.setattr(
+        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer,
+        "validate_environment",
+        lambda self, *a, **k: None,
+    )
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return kernel.experts_forward(*args, **kwargs)
+
+    ALL_FP8_EXPERTS_FUNCTIONS.register(name, counted)
+    return calls
+
+
 def _dequantized(weight, scale_inv, block):
     """FP8Experts weights in f32: per 128 x 128 block, or per tensor (gate_up's halves)."""
     s = scale_inv.float()
@@ -98,24 +123,8 @@ def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeyp
     the FP8 bytes stay FP8 in the model, and the logits and greedy tokens equal an
     f32 model holding the dequantized expert weights."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
-    from transformers.quantizers import quantizer_finegrained_fp8
 
-    # transformers 5.22 refuses FP8 (or dequantizes a pre-quantized checkpoint
-    # to bf16) when no CUDA/XPU device is present, a TPU host included; the
-    # README says so. Here its environment check is skipped to get FP8Experts.
-    monkeypatch.setattr(
-        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer,
-        "validate_environment",
-        lambda self, *a, **k: None,
-    )
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return kernel.experts_forward(*args, **kwargs)
-
-    ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_counted", counted)
+    calls = _counted_fp8_experts(kernel, monkeypatch, "ragged_dot_tpu_counted")
     # Block scales need 128-aligned expert dims.
     _save_tiny(
         "qwen3_moe",
@@ -206,21 +215,8 @@ def test_fp4_checkpoint_experts_run_as_mxfp4(kernel, tmp_path, monkeypatch):
     them converted once to their layout, and the logits and greedy tokens equal
     an f32 model holding the dequantized expert weights."""
     from transformers import AutoModelForCausalLM
-    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
-    from transformers.quantizers import quantizer_finegrained_fp8
 
-    monkeypatch.setattr(
-        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer,
-        "validate_environment",
-        lambda self, *a, **k: None,
-    )
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return kernel.experts_forward(*args, **kwargs)
-
-    ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_fp4_counted", counted)
+    calls = _counted_fp8_experts(kernel, monkeypatch, "ragged_dot_tpu_fp4_counted")
     sizes = dict(hidden_size=128, head_dim=32, moe_intermediate_size=96, num_experts=4)
     _save_tiny("qwen3_moe", tmp_path / "ref", **sizes)
     _save_tiny("qwen3_moe", tmp_path / "fp4", **sizes)

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from ragged_dot_tpu import mxfp4, tiling
+from ragged_dot_tpu import mxfp4
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
 from ragged_dot_tpu.reference import moe_experts_reference, ragged_dot_reference
+from quantization import assert_moe_layer_close, group_sizes, small_config
 from tolerances import assert_close
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]  # the OCP MX spec's FP4 values, by code 0..7
@@ -74,20 +75,13 @@ def test_quantize_keeps_grid_values_and_round_trips_the_checkpoint_layout():
         np.testing.assert_array_equal(np.asarray(mxfp4.dequantize(w, s)), vals)
 
 
-def _sizes(draw, m, g):
-    total = draw(st.sampled_from([m, max(m - 5, 0), m // 2]))
-    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
-    edges = [0, *cuts, total]
-    return [b - a for a, b in zip(edges[:-1], edges[1:])]
-
-
 @st.composite
 def problems(draw):
     m = draw(st.sampled_from([1, 12, 40, 64]))
     k = draw(st.sampled_from([64, 160, 256]))
     n = draw(st.sampled_from([96, 128, 256, 512]))
     g_total = draw(st.integers(1, 4))
-    sizes = _sizes(draw, m, g_total)
+    sizes = group_sizes(draw, m, g_total)
     g_local = draw(st.integers(1, g_total))
     offset = draw(st.integers(0, g_total - g_local))
     lhs_dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float32]))
@@ -96,17 +90,6 @@ def problems(draw):
     small = draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
     return m, k, n, sizes, g_local, offset, lhs_dtype, scale_dtype, padded, small, seed
-
-
-def _config(small, k, n):
-    if not small:
-        return "v6e"
-    slab = lambda d: 128 if d % 128 == 0 and d > 128 else d  # noqa: E731
-    return tiling.RaggedDotConfig(
-        tiling.GmmConfig(16, slab(n), 16, weight_buffers=2),
-        tiling.GmmConfig(16, slab(k), 16, weight_buffers=3),
-        tiling.TgmmConfig(16, k, n, 16),
-    )
 
 
 # Several row tiles and N slabs with a 2-slot ring and an expert-parallel
@@ -138,7 +121,7 @@ def test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
         group_sizes=gs,
         group_offset=offset,
         rhs_scale=scales,
-        config=_config(small, k, n),
+        config=small_config(small, k, n),
         interpret=True,
     )
     out, vjp = jax.vjp(f, lhs)
@@ -188,17 +171,7 @@ def test_mxfp4_moe_experts_matches_reference_with_gradients(activation, concaten
     ct = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     out, vjp = jax.vjp(ours, hidden, weights)
     want, vjp_ref = jax.vjp(ref, hidden, weights)
-    # Same rounding points as the reference (projections to bf16, the
-    # activation once): summation order only, a bf16 ulp of the output scale.
-    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2**-6 * scale, rtol=2**-6
-    )
-    for name, got, w in zip(("d_hidden", "d_weights"), vjp(ct), vjp_ref(ct)):
-        w = np.asarray(w, np.float32)
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32), w, atol=2**-5 * np.abs(w).max(), rtol=2**-5, err_msg=name
-        )
+    assert_moe_layer_close(out, want, vjp(ct), vjp_ref(ct))
 
 
 def test_each_scale_reaches_its_own_32_rows_and_column():

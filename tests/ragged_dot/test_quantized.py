@@ -21,21 +21,19 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from ragged_dot_tpu import tiling
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
 from ragged_dot_tpu.reference import moe_experts_reference, ragged_dot_reference
-from quantization import quantize, quantize_blocks
+from quantization import (
+    assert_moe_layer_close,
+    group_sizes,
+    quantize,
+    quantize_blocks,
+    small_config,
+)
 from tolerances import assert_close
 
 QDTYPES = [jnp.int8, jnp.float8_e4m3fn]
-
-
-def _sizes(draw, m, g):
-    total = draw(st.sampled_from([m, max(m - 5, 0), m // 2]))
-    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
-    edges = [0, *cuts, total]
-    return [b - a for a, b in zip(edges[:-1], edges[1:])]
 
 
 @st.composite
@@ -46,7 +44,7 @@ def problems(draw):
     n = draw(st.sampled_from([96, 128, 256]))
     blocks = k % 128 == 0 and n % 128 == 0 and draw(st.booleans())
     g_total = draw(st.integers(1, 5))
-    sizes = _sizes(draw, m, g_total)
+    sizes = group_sizes(draw, m, g_total)
     g_local = draw(st.integers(1, g_total))
     offset = draw(st.integers(0, g_total - g_local))
     transpose = draw(st.booleans())
@@ -55,17 +53,6 @@ def problems(draw):
     small = draw(st.booleans())
     seed = draw(st.integers(0, 2**16))
     return wdt, m, k, n, sizes, g_local, offset, transpose, scale_dtype, small, blocks, seed
-
-
-def _config(small, k, n):
-    if not small:
-        return "v6e"
-    slab = lambda d: 128 if d % 128 == 0 and d > 128 else d  # noqa: E731
-    return tiling.RaggedDotConfig(
-        tiling.GmmConfig(16, slab(n), 16, weight_buffers=2),
-        tiling.GmmConfig(16, slab(k), 16, weight_buffers=3),
-        tiling.TgmmConfig(16, k, n, 16),
-    )
 
 
 # Drawn, but not reliably within 4 examples: several row tiles and N slabs
@@ -94,7 +81,7 @@ def test_quantized_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
         group_offset=offset,
         rhs_scale=scale,
         transpose_rhs=transpose,
-        config=_config(small, k, n),
+        config=small_config(small, k, n),
         interpret=True,
     )
     out, vjp = jax.vjp(f, lhs)
@@ -159,18 +146,7 @@ def test_quantized_moe_experts_matches_reference_with_gradients(wdt, blocks, is_
     ct = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     out, vjp = jax.vjp(ours, hidden, weights)
     want, vjp_ref = jax.vjp(ref, hidden, weights)
-    # The reference rounds at the same points (projections to bf16, activation
-    # once), so the kernel differs by summation order and the d_lhs rounding:
-    # a bf16 ulp of the layer's output scale per rounding point.
-    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2**-6 * scale, rtol=2**-6
-    )
-    for name, got, w in zip(("d_hidden", "d_weights"), vjp(ct), vjp_ref(ct)):
-        w = np.asarray(w, np.float32)
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32), w, atol=2**-5 * np.abs(w).max(), rtol=2**-5, err_msg=name
-        )
+    assert_moe_layer_close(out, want, vjp(ct), vjp_ref(ct))
 
 
 @pytest.mark.parametrize("transpose", [False, True])

@@ -27,7 +27,7 @@ from hypothesis import example, given, settings, strategies as st
 from ragged_dot_tpu import w8a8
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.reference import moe_experts_reference, ragged_dot_reference
-from quantization import quantize
+from quantization import group_sizes, quantize
 from tolerances import assert_close
 
 
@@ -51,13 +51,6 @@ def test_rows_quantize_to_their_largest_magnitude(dtype):
     np.testing.assert_array_equal(top, np.where(amax[:, 0] > 0, qmax, 0.0))
 
 
-def _sizes(draw, m, g):
-    total = draw(st.sampled_from([m, max(m - 5, 0), m // 2]))
-    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
-    edges = [0, *cuts, total]
-    return [b - a for a, b in zip(edges[:-1], edges[1:])]
-
-
 @st.composite
 def problems(draw):
     wdt = draw(st.sampled_from([jnp.int8, jnp.float8_e4m3fn]))
@@ -65,7 +58,7 @@ def problems(draw):
     k = draw(st.sampled_from([64, 128, 200]))
     n = draw(st.sampled_from([96, 128, 256]))
     g_total = draw(st.integers(1, 4))
-    sizes = _sizes(draw, m, g_total)
+    sizes = group_sizes(draw, m, g_total)
     g_local = draw(st.integers(1, g_total))
     offset = draw(st.integers(0, g_total - g_local))
     transpose = draw(st.booleans())
