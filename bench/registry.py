@@ -141,6 +141,23 @@ def _ours_moe_quantized(dtype: str, blocks: bool, w8a8: bool = False):
     """moe_experts on weight-only quantized weights (same [E, in, out] layout as
     ours_moe_experts): the bytes the kernels read shrink, the layer's program is
     otherwise the same. w8a8: the activations quantized in the kernel too."""
+    name = f"ours_moe_experts_{'w8a8_' if w8a8 else ''}{dtype}" + ("_blocks" if blocks else "")
+    fixed = {"quantize_activations": True} if w8a8 else {}
+    return _ours_moe_on(name, functools.partial(_quantize, dtype=dtype, blocks=blocks), **fixed)
+
+
+def _mxfp4_quantize(w):
+    """[E, in, out] weights in MXFP4's kernel layout ([E, in/2, out] bytes, e8m0
+    scales per 32 inputs): a quarter of bf16's bytes plus 1/64 for scales."""
+    # The build's _contract_entry already imported the package (api imports mxfp4).
+    mx = _import("ragged_dot_tpu.mxfp4")
+    return mx.abstract(w.shape) if isinstance(w, jax.ShapeDtypeStruct) else mx.quantize(w)
+
+
+def _ours_moe_on(name: str, quantize: Callable, **fixed):
+    """A builder of moe_experts on the bench's weights quantized by
+    `quantize(w) -> (weights, scales)` (ShapeDtypeStructs give
+    ShapeDtypeStructs), with `fixed` keyword arguments."""
 
     def build(point, generation, ctx) -> Built:
         op = _contract_entry("ragged_dot_tpu", "moe_experts", generation, is_transposed=True)
@@ -157,51 +174,17 @@ def _ours_moe_quantized(dtype: str, blocks: bool, w8a8: bool = False):
                 gate_up_scale,
                 down_scale,
                 num_experts=w_gate_up.shape[0],
-                **({"quantize_activations": True} if w8a8 else {}),
+                **fixed,
             )
 
         def adapt_args(x, w_gate_up, w_down, ids, weights):
-            gu, gu_s = _quantize(w_gate_up, dtype, blocks)
-            dn, dn_s = _quantize(w_down, dtype, blocks)
+            gu, gu_s = quantize(w_gate_up)
+            dn, dn_s = quantize(w_down)
             return x, gu, dn, ids, weights, gu_s, dn_s
 
-        name = f"ours_moe_experts_{'w8a8_' if w8a8 else ''}{dtype}" + ("_blocks" if blocks else "")
         return Built(fn, (name, generation), glue_key=(name,), adapt_args=adapt_args)
 
     return build
-
-
-def _ours_moe_mxfp4(point, generation, ctx) -> Built:
-    """moe_experts on MXFP4 weights in the kernels' layout ([E, in/2, out]
-    bytes, e8m0 scales per 32 inputs): the quantized minimum is a quarter of
-    bf16's bytes plus 1/64 for scales."""
-    op = _contract_entry("ragged_dot_tpu", "moe_experts", generation, is_transposed=True)
-    mx = _import("ragged_dot_tpu.mxfp4")
-
-    def fn(x, w_gate_up, w_down, ids, weights, gate_up_scale, down_scale):
-        return op(
-            x,
-            ids,
-            weights,
-            w_gate_up,
-            w_down,
-            None,
-            None,
-            gate_up_scale,
-            down_scale,
-            num_experts=w_gate_up.shape[0],
-        )
-
-    def quantize(w):
-        return mx.abstract(w.shape) if isinstance(w, jax.ShapeDtypeStruct) else mx.quantize(w)
-
-    def adapt_args(x, w_gate_up, w_down, ids, weights):
-        gu, gu_s = quantize(w_gate_up)
-        dn, dn_s = quantize(w_down)
-        return x, gu, dn, ids, weights, gu_s, dn_s
-
-    name = "ours_moe_experts_mxfp4"
-    return Built(fn, (name, generation), glue_key=(name,), adapt_args=adapt_args)
 
 
 def _ours_ragged_dot(point, generation, ctx) -> Built:
@@ -506,7 +489,7 @@ register(
         "ours_moe_experts_mxfp4",
         "moe",
         "ragged_dot_tpu.api.moe_experts, weight-only MXFP4 (e2m1 weights, e8m0 scales per 32)",
-        _ours_moe_mxfp4,
+        _ours_moe_on("ours_moe_experts_mxfp4", _mxfp4_quantize),
         ours=True,
     )
 )
