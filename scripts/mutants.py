@@ -153,8 +153,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-row-mask",
         GMM,
-        "            keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)\n\n",
-        "            keep = ridx < r_hi\n\n",
+        "return jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
+        "return ridx < r_hi",
         (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
         "gmm: lower row mask dropped (a group overwrites its neighbour's shared tile rows)",
     ),
@@ -644,8 +644,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mx-once-columns",
         GMM,
-        "                dst = (pl.ds(r0, size), pl.ds(c0, width))\n                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])\n\n            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)",
-        "                dst = (pl.ds(r0, size), pl.ds(0, width))\n                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])\n\n            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)",
+        "store(r0, size, c0, width, y, kept_rows(r0, size))",
+        "store(r0, size, 0, width, y, kept_rows(r0, size))",
         (f"{T_MX}::test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference",),
         "gmm: a many-row group's decoded pieces all written to the first columns",
     ),

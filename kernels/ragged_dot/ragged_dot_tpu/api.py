@@ -148,6 +148,7 @@ def ragged_dot_bwd(
     as the identity, a straight-through estimate)."""
     del quantize_lhs
     lhs, rhs, group_sizes, group_offset, rhs_scale, bias = args
+    frozen = rhs_scale is not None  # quantized weights get no gradient
     _, cfg_lhs, cfg_rhs = _configs(config)
     d_bias = None if bias is None else _bias_grad(grad, bias, group_sizes, group_offset)
     rhs, transpose_rhs, swapped = _hbm_view(rhs, transpose_rhs)
@@ -176,7 +177,7 @@ def ragged_dot_bwd(
         config=cfg_lhs,
         interpret=interpret,
     )
-    if args[4] is not None:  # quantized weights are frozen
+    if frozen:
         return d_lhs, None, None, None, None, d_bias
     if transpose_rhs:
         d_rhs = tgmm(

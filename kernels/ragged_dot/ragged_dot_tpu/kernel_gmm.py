@@ -342,9 +342,7 @@ def _gmm_kernel(
     na = state_ref[0]
     tile_lo = t_i * block_m
     tile_hi = jnp.minimum(tile_lo + block_m, m)
-    piece_n, n_pieces, tail_n = tiling.gmm_pieces(
-        block_n, tiling.MXFP4_PIECE if scale_axis == "mx" else 512
-    )
+    piece_n, n_pieces, tail_n = tiling.gmm_pieces(block_n, tiling.widest_piece(wbuf.dtype))
 
     def process(a, lo, hi):
         q = n_i * na + a
@@ -417,66 +415,30 @@ def _gmm_kernel(
             w = w * mxfp4.spread_scales(sbuf[slot, :, pl.ds(c0, width)], contraction)
             return w.astype(compute_dtype)
 
-        def mx_dot(r0, size, c0, width):
-            """x @ the FP4 slab's columns [c0, c0 + width), decoded straight into
-            the MXU (a group with few rows: one pass, see mx_decode_once)."""
+        def rows_dot(r0, size, w):
+            """lhs rows [r0, r0 + size) @ w [K, width], in f32."""
             return lax.dot_general(
                 lhs_ref[pl.ds(r0, size), :],
-                mx_piece(c0, width),
+                w,
                 (((1,), (0,)), ((), ())),
                 precision=precision,
                 preferred_element_type=jnp.float32,
             )
 
-        def mx_decode_once(c0, width):
-            """A group with many rows (prefill): the piece decoded once into
-            wdec, then every row pass of the group against it, so the decode,
-            the VPU's work, is paid once per piece, not once per pass."""
-            wdec[:, pl.ds(0, width)] = mx_piece(c0, width)
-
-            def emit_mx(r0, size):
-                ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-                keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
-                y = lax.dot_general(
-                    lhs_ref[pl.ds(r0, size), :],
-                    wdec[:, pl.ds(0, width)],
-                    (((1,), (0,)), ((), ())),
-                    precision=precision,
-                    preferred_element_type=jnp.float32,
-                )
-                dst = (pl.ds(r0, size), pl.ds(c0, width))
-                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
-
-            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)
-
-        def emit(r0, size):
-            row_scale = None
-            if scale_axis in ("n", "k", None):  # block_dot and mx_dot read their own rows
-                x = lhs_ref[pl.ds(r0, size), :]
-                if scale_axis == "k":
-                    x = x.astype(jnp.float32) * sbuf[slot]
-                if quantize_lhs:
-                    x, row_scale = w8a8.quantize_rows(x, wbuf.dtype)
-                else:
-                    x = x.astype(compute_dtype)
+        def kept_rows(r0, size):
+            """Which rows of a pass are the group's (a sublane tile shared with
+            the neighbouring group is merged, not overwritten)."""
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-            keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
+            return jnp.logical_and(ridx >= r_lo, ridx < r_hi)
 
-            # The slab is consumed in piece_n-column pieces so the unrolled MXU
-            # code (and its f32 temporaries) stays small however wide the slab is.
-            def columns(c0, width):
-                if scale_axis == "block":
-                    y = block_dot(r0, size, c0, width)
-                elif scale_axis == "mx":
-                    y = mx_dot(r0, size, c0, width)
-                else:
-                    y = slab_dot(x, c0, width)
-                if scale_axis == "n":
-                    y = y * sbuf[slot, :, pl.ds(c0, width)]
-                if row_scale is not None:
-                    y = y * row_scale
-                dst = (pl.ds(r0, size), pl.ds(c0, width))
-                out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
+        def store(r0, size, c0, width, y, keep):
+            dst = (pl.ds(r0, size), pl.ds(c0, width))
+            out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
+
+        def over_pieces(columns):
+            """columns(c0, width) over the slab's piece_n-column pieces and its
+            tail: the unrolled MXU code (and its f32 temporaries) stays small
+            however wide the slab is."""
 
             def piece(c, carry):
                 columns(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)
@@ -485,6 +447,45 @@ def _gmm_kernel(
             for_each_piece(n_pieces, piece)
             if tail_n:
                 columns(n_pieces * piece_n, tail_n)
+
+        def mx_decode_once(c0, width):
+            """A group with many rows (prefill): the piece decoded once into
+            wdec, then every row pass of the group against it, so the decode,
+            the VPU's work, is paid once per piece, not once per pass."""
+            wdec[:, pl.ds(0, width)] = mx_piece(c0, width)
+
+            def emit_mx(r0, size):
+                y = rows_dot(r0, size, wdec[:, pl.ds(0, width)])
+                store(r0, size, c0, width, y, kept_rows(r0, size))
+
+            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)
+
+        def emit(r0, size):
+            row_scale = None
+            if scale_axis in ("n", "k", None):  # block_dot and the FP4 path read their own rows
+                x = lhs_ref[pl.ds(r0, size), :]
+                if scale_axis == "k":
+                    x = x.astype(jnp.float32) * sbuf[slot]
+                if quantize_lhs:
+                    x, row_scale = w8a8.quantize_rows(x, wbuf.dtype)
+                else:
+                    x = x.astype(compute_dtype)
+            keep = kept_rows(r0, size)
+
+            def columns(c0, width):
+                if scale_axis == "block":
+                    y = block_dot(r0, size, c0, width)
+                elif scale_axis == "mx":  # decoded straight into the MXU
+                    y = rows_dot(r0, size, mx_piece(c0, width))
+                else:
+                    y = slab_dot(x, c0, width)
+                if scale_axis == "n":
+                    y = y * sbuf[slot, :, pl.ds(c0, width)]
+                if row_scale is not None:
+                    y = y * row_scale
+                store(r0, size, c0, width, y, keep)
+
+            over_pieces(columns)
 
         if scale_axis != "mx":
             row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
@@ -502,13 +503,7 @@ def _gmm_kernel(
 
         @pl.when(many)
         def _():
-            def piece(c, carry):
-                mx_decode_once(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)
-                return carry
-
-            for_each_piece(n_pieces, piece)
-            if tail_n:
-                mx_decode_once(n_pieces * piece_n, tail_n)
+            over_pieces(mx_decode_once)
 
     def cond(carry):
         a, go = carry
@@ -593,7 +588,7 @@ def gmm(
     num_local = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-    w_dtype = jnp.dtype(rhs.dtype)  # as tiling sizes it (FP4 before its int8 view)
+    w_dtype = jnp.dtype(rhs.dtype)
     mx = mxfp4.is_mxfp4(w_dtype)
     if mx:
         rhs_k *= 2
@@ -712,7 +707,7 @@ def gmm(
         scratch += [
             pltpu.VMEM((buffers, rhs_scale.shape[1], bn), jnp.uint8),
             pltpu.SemaphoreType.DMA((buffers,)),
-            pltpu.VMEM((k, tiling.gmm_pieces(bn, tiling.MXFP4_PIECE)[0]), compute_dtype),
+            pltpu.VMEM((k, tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype))[0]), compute_dtype),
         ]
     elif quantized:
         s_width = bn if scale_axis == "n" else k

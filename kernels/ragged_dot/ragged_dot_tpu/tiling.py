@@ -370,8 +370,8 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
         need += buffers * (round_up(k // 2, 32) + mxfp4.scale_rows(k)) * np_
     else:
         need += buffers * weight_rows(k, w_dtype) * np_ * wb  # the weight stream's slots
-    if is_quantized(w_dtype) and not mx:
-        need += buffers * 8 * _lane(max(k, bn)) * 4
+        if is_quantized(w_dtype):
+            need += buffers * 8 * _lane(max(k, bn)) * 4
     # Row passes: the lhs rows (cast), the f32 product, the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
