@@ -64,6 +64,7 @@ MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
 MOE_DEC = "kernels/ragged_dot/ragged_dot_tpu/kernel_moe_decode.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
 MX = "kernels/ragged_dot/ragged_dot_tpu/mxfp4.py"
+HF_MX = "kernels/ragged_dot/ragged_dot_tpu/hf_mxfp4.py"
 FA = "kernels/flash_attention/flash_attention_tpu/kernel_fwd.py"
 FA_BWD = "kernels/flash_attention/flash_attention_tpu/kernel_bwd.py"
 FA_API = "kernels/flash_attention/flash_attention_tpu/api.py"
@@ -78,6 +79,7 @@ T_GMM = "tests/ragged_dot/test_gmm.py"
 T_RD_OP = "tests/ragged_dot/test_torch_op.py"
 T_QUANT = "tests/ragged_dot/test_quantized.py"
 T_MX = "tests/ragged_dot/test_mxfp4.py"
+T_E2E = "tests/ragged_dot/test_e2e_models.py"
 T_W8 = "tests/ragged_dot/test_w8a8.py"
 T_ROUTE = "tests/ragged_dot/test_routing.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
@@ -656,6 +658,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "w = weight.detach().view(torch.uint8).reshape(weight.shape[0], weight.shape[2], -1)",
         (f"{T_MX}::test_torch_fp4_experts_convert_like_to_kernel_layout_and_check_float_scales",),
         "experts_forward: FP4 weights reshaped, not transposed, to the kernel layout",
+    ),
+    Mutant(
+        "mx-hf-blocks",
+        HF_MX,
+        "w, s = _fp4_projection(blocks.reshape(*blocks.shape[:2], -1), scales)",
+        "w, s = _fp4_projection(blocks.transpose(2, 3).reshape(*blocks.shape[:2], -1), scales)",
+        (f"{T_E2E}::test_gpt_oss_mxfp4_checkpoint_loads_4bit_and_runs_our_experts",),
+        "GPT-OSS loader: each 32-value block's 16 bytes read column-major",
+    ),
+    Mutant(
+        "mx-hf-save-scales",
+        HF_MX,
+        'state[f"{name}.{proj}_scales"] = s[:, : half_k // 16]',
+        'state[f"{name}.{proj}_scales"] = s[:, : half_k // 16 + 1]',
+        (f"{T_E2E}::test_gpt_oss_mxfp4_checkpoint_loads_4bit_and_runs_our_experts",),
+        "GPT-OSS save: the scale rows' padding written into the checkpoint",
     ),
     # -- w8a8 -------------------------------------------------------------------
     Mutant(

@@ -39,6 +39,7 @@ TINY_MODELS = {
     "Qwen/Qwen3-8B": "qwen3",
     "meta-llama/Llama-3.1-8B": "llama",
     "openai/gpt-oss-20b": "gpt_oss",
+    "openai/gpt-oss-120b": "gpt_oss_mxfp4",  # GPT-OSS's own MXFP4 checkpoint format
 }
 # 2. The device string literal "tpu" -> "cpu" where no TPU is attached (torch has no "tpu" device then).
 DEVICE_LITERAL = '"tpu"'
@@ -61,6 +62,7 @@ CHECKS = {
         "check_string_attention",
         "check_registered_attention",
         "check_mxfp4",
+        "check_gpt_oss_mxfp4",
     ],
     "rmsnorm-tpu": ["check_rmsnorm_functions", "check_kernelize"],
     "ragged-dot-tpu": ["check_experts"],
@@ -113,7 +115,7 @@ def _save_tiny(family: str, path: Path) -> None:
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common))
     elif family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
-    elif family == "gpt_oss":  # attention sinks + sliding window
+    elif family in ("gpt_oss", "gpt_oss_mxfp4"):  # attention sinks + sliding window
         model = tf.GptOssForCausalLM(
             tf.GptOssConfig(
                 num_local_experts=4,
@@ -131,6 +133,10 @@ def _save_tiny(family: str, path: Path) -> None:
         if "norm" in name:
             p.data.uniform_(0.5, 1.5)
     model.float().save_pretrained(path)
+    if family == "gpt_oss_mxfp4":
+        from mxfp4_checkpoints import as_gpt_oss_mxfp4
+
+        as_gpt_oss_mxfp4(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +292,26 @@ def check_mxfp4(ns, ctx):
     groups = np.repeat(np.arange(4), [3, 0, 5, 2])
     want = np.einsum("mk,mnk->mn", x, w[groups])
     np.testing.assert_allclose(out.float().cpu().numpy(), want, rtol=2**-7, atol=1e-2)
+
+
+def check_gpt_oss_mxfp4(ns, ctx):
+    import torch
+
+    model, kernel = ns["model"], ns["kernel"]
+    assert model.device.type == ctx["device"], model.device
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        assert type(experts).__name__ == "Mxfp4Experts", type(experts)
+        assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.uint8
+    ids = _ids().to(model.device)
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    # transformers' own loader (bf16 experts dequantized by its code table), eager experts.
+    kernel.use_mxfp4_quantizer(False)
+    want = _reference_logits(
+        model, ids, experts_implementation="eager", dtype=torch.bfloat16
+    ).float()
+    torch.testing.assert_close(logits, want, atol=5e-2 * want.abs().max().item(), rtol=5e-2)
 
 
 def check_string_attention(ns, ctx):

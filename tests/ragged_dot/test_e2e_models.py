@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from mxfp4_checkpoints import as_gpt_oss_mxfp4, e2m1
 
 REPO = "tpu-kernels/ragged-dot-tpu"
 
@@ -166,27 +167,17 @@ def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeyp
 def _fp4_checkpoint(path):
     """Rewrites the tiny checkpoint at `path` as an FP4-experts one, as
     DeepSeek-V4-style checkpoints ship: each expert projection's weight
-    [out, in/2] int8 (two e2m1 values a byte, the even input in the low
-    nibble) and `weight_scale_inv` [out, in/32] float8_e8m0fnu, quantized by
-    the test's own code table (not the library's quantizer)."""
+    [out, in/2] int8 (two e2m1 values a byte) and `weight_scale_inv`
+    [out, in/32] float8_e8m0fnu."""
     import json
 
-    import numpy as np
     from safetensors.torch import load_file, save_file
 
-    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
     sd = load_file(path / "model.safetensors")
     for name in [n for n in sd if ".mlp.experts." in n and n.endswith("_proj.weight")]:
-        w = sd[name].double().numpy()  # [out, in]
-        blocks = w.reshape(w.shape[0], -1, 32)
-        exp = np.ceil(np.log2(np.abs(blocks).max(-1) / 6.0))  # every block's max fits 6
-        q = blocks / np.exp2(exp)[..., None]
-        code = np.abs(np.abs(q)[..., None] - grid).argmin(-1) | np.where(q < 0, 8, 0)
-        code = code.reshape(w.shape[0], -1, 2).astype(np.uint8)
-        sd[name] = torch.from_numpy((code[..., 0] | (code[..., 1] << 4)).view(np.int8))
-        sd[name + "_scale_inv"] = torch.from_numpy((exp + 127).astype(np.uint8)).view(
-            torch.float8_e8m0fnu
-        )
+        packed, scales = e2m1(sd[name].double().numpy())  # [out, in]
+        sd[name] = packed.view(torch.int8)
+        sd[name + "_scale_inv"] = scales.view(torch.float8_e8m0fnu)
     save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {
@@ -246,3 +237,117 @@ def test_fp4_checkpoint_experts_run_as_mxfp4(kernel, tmp_path, monkeypatch):
     with torch.no_grad():
         ours(ids)
     assert experts.__dict__["_ragged_dot_tpu_fp4"] is kept
+
+
+def _gpt_oss_mxfp4_checkpoint(path):
+    """A tiny random GPT-OSS saved at `path` in GPT-OSS's MXFP4 format."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=8,
+    )
+    model = GptOssForCausalLM(config)
+    for name, p in model.named_parameters():
+        if "experts" in name:
+            p.data.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    as_gpt_oss_mxfp4(path)
+
+
+@pytest.fixture
+def mxfp4_quantizer(kernel):
+    """Our MXFP4 quantizer in transformers' registry for the test, then theirs again."""
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    theirs = AUTO_QUANTIZER_MAPPING["mxfp4"]
+    kernel.use_mxfp4_quantizer()
+    assert AUTO_QUANTIZER_MAPPING["mxfp4"] is not theirs
+    yield
+    kernel.use_mxfp4_quantizer(False)
+    assert AUTO_QUANTIZER_MAPPING["mxfp4"] is theirs
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_4bit_and_runs_our_experts(
+    kernel, mxfp4_quantizer, tmp_path, monkeypatch
+):
+    """GPT-OSS's MXFP4 checkpoint through `use_mxfp4_quantizer()`: the experts
+    stay 4-bit (a quarter of bf16's bytes, in the kernels' layout), every
+    layer runs our experts_forward, and the logits and greedy tokens equal an
+    f32 model holding the weights transformers' own loader dequantizes (its
+    code table, not ours); save_pretrained writes the checkpoint's bytes back."""
+    import importlib
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _gpt_oss_mxfp4_checkpoint(tmp_path / "mxfp4")
+    # transformers' own quantizer, with no Triton here, dequantizes at load.
+    kernel.use_mxfp4_quantizer(False)
+    ref = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", experts_implementation="eager", dtype=torch.float32
+    ).eval()
+    kernel.use_mxfp4_quantizer()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32).eval()
+
+    layers = importlib.import_module(kernel.__name__ + ".hf_mxfp4")
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return kernel.experts_forward(*args)
+
+    monkeypatch.setattr(layers, "experts_forward", counted)
+    for lq, lr in zip(ours.model.layers, ref.model.layers):
+        eq, er = lq.mlp.experts, lr.mlp.experts
+        assert type(eq).__name__ == "Mxfp4Experts"
+        assert eq.gate_up_proj.dtype == eq.down_proj.dtype == torch.uint8
+        assert eq.gate_up_proj.shape == (4, 32, 128)  # [E, H/2, 2I]: two values a byte
+        assert eq.down_proj.shape == (4, 32, 64)
+        assert eq.gate_up_proj.numel() * 2 == er.gate_up_proj.numel()
+        for p in er.parameters():
+            p.data = p.data.float()  # bf16 holds every e2m1 x 2^e exactly
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+        assert len(calls) == 2  # one per layer
+        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, want)
+
+    ours.save_pretrained(tmp_path / "resaved")
+    before = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    after = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+
+
+def test_gpt_oss_mxfp4_quantizer_keeps_dequantize_and_refuses_quantizing(
+    kernel, mxfp4_quantizer, tmp_path
+):
+    """With our quantizer registered, `Mxfp4Config(dequantize=True)` still loads
+    bf16 experts, and a bf16 checkpoint asked to quantize while loading gets
+    an error saying what the quantizer does."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    _gpt_oss_mxfp4_checkpoint(tmp_path / "mxfp4")
+    bf16 = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", quantization_config=Mxfp4Config(dequantize=True)
+    )
+    experts = bf16.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "GptOssExperts"
+    assert experts.gate_up_proj.shape == (4, 64, 128)
+    bf16.save_pretrained(tmp_path / "bf16")
+    with pytest.raises(ValueError, match="does not quantize bf16 weights while loading"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=Mxfp4Config())

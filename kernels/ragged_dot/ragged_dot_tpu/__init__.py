@@ -6,10 +6,20 @@ kernel_tgmm.py the Pallas kernels; api.py the JAX API (`ragged_dot`,
 around the two grouped matmuls; tiling.py the configs and their choice;
 checks.py the argument rules; reference.py the pure-JAX reference
 (reference_torch.py a torch loop for the tests); ops.py the torch ops;
-layers.py transformers' `experts_forward`.
+layers.py transformers' `experts_forward`; hf_mxfp4.py the loader of
+GPT-OSS's MXFP4 checkpoints.
 """
 
 from .layers import experts_forward
 from .ops import LIB as LIB, grouped_mm, ragged_dot
 
-__all__ = ["experts_forward", "grouped_mm", "ragged_dot"]
+
+def use_mxfp4_quantizer(enable: bool = True) -> None:
+    """Load GPT-OSS's MXFP4 checkpoints 4-bit, run by experts_forward (hf_mxfp4.py;
+    imports transformers, so only when called)."""
+    from .hf_mxfp4 import use_mxfp4_quantizer as use
+
+    use(enable)
+
+
+__all__ = ["experts_forward", "grouped_mm", "ragged_dot", "use_mxfp4_quantizer"]

@@ -26,7 +26,9 @@ FP4 experts (`FineGrainedFP8Config(expert_dtype="fp4")`: int8 weights
 [E, N, K/2] holding two e2m1 values a byte, with e8m0 or power-of-two float
 scales [E, N, K/32]) run as MXFP4: the first call converts each projection
 once to the kernels' layout (mxfp4.to_kernel_layout) and keeps it on the
-module; later calls reuse it while the weights are unchanged.
+module; later calls reuse it while the weights are unchanged. GPT-OSS's MXFP4
+checkpoints (`quant_method: mxfp4`) load 4-bit through `use_mxfp4_quantizer()`
+(hf_mxfp4.py), already in that layout.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def _fused_activation(module) -> str | None:
     """The activation name the fused op implements for this module, or None."""
     if getattr(module, "has_post_expert_norm", False):
         return None
+    if getattr(module, "fused_activation", None):  # our own modules name theirs (hf_mxfp4)
+        return module.fused_activation
     if not module.has_gate:
         return _activation_name(getattr(module, "act_fn", None))
     gate = getattr(type(module), "_apply_gate", None)
@@ -206,6 +210,9 @@ def _layer_weights(module):
     """(gate_up, down, their biases, their scales, is_transposed) as the kernels
     take them: FP4 experts converted (cached) to mxfp4's [E, in/2, out] layout."""
     gate_up, down, up_bias, down_bias = _weights(module)
+    if getattr(module, "mxfp4_kernel_layout", False):  # hf_mxfp4.Mxfp4Experts: converted at load
+        up_scale, down_scale = module.gate_up_proj_scales, module.down_proj_scales
+        return gate_up, down, up_bias, down_bias, up_scale, down_scale, True
     fp4 = _fp4_weights(module, gate_up, down)
     if fp4 is not None:
         gate_up, up_scale, down, down_scale = fp4
