@@ -677,6 +677,22 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- w8a8 -------------------------------------------------------------------
     Mutant(
+        "w8a8-torch-flag",
+        RD_OPS,
+        "        quantize_lhs=quantize_lhs,\n    )\n\n\ndef _rd_arrays",
+        "        quantize_lhs=False,\n    )\n\n\ndef _rd_arrays",
+        (f"{T_W8}::test_torch_op_quantize_lhs_matches_reference_and_keeps_weight_only_gradient",),
+        "torch ragged_dot: quantize_lhs dropped before the kernel",
+    ),
+    Mutant(
+        "w8a8-experts-flag",
+        RD_OPS,
+        '    statics["quantize_activations"] = args[17]',
+        '    statics["quantize_activations"] = False',
+        (f"{T_W8}::test_experts_forward_w8a8_quantizes_fp8_experts_activations",),
+        "torch moe_experts op: quantize_activations dropped before the program",
+    ),
+    Mutant(
         "w8a8-row-scale",
         GMM,
         "                if row_scale is not None:\n                    y = y * row_scale",

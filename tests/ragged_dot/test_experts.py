@@ -186,6 +186,7 @@ def test_expert_parallel_shard_with_expert_offset(family):
             float(getattr(m, "limit", 7.0)),
             None,
             None,
+            False,
         )
 
     ct = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(100))

@@ -182,3 +182,111 @@ def test_w8a8_needs_per_channel_quantized_weights(rhs, scale):
             quantize_lhs=True,
             interpret=True,
         )
+
+
+def test_torch_op_quantize_lhs_matches_reference_and_keeps_weight_only_gradient():
+    """The torch op's quantize_lhs reaches the kernel: the result is the
+    reference's on quantized rows (not the weight-only one), d_lhs the
+    weight-only product."""
+    import torch
+
+    import ragged_dot_tpu
+
+    rng = np.random.default_rng(11)
+    q, scale = quantize(rng.standard_normal((3, 96, 128)) * 0.1, jnp.int8, out_axis=1)
+    lhs = torch.from_numpy(rng.standard_normal((20, 128)) * np.exp2(rng.integers(-6, 3, (20, 1))))
+    lhs = lhs.bfloat16().requires_grad_(True)
+    sizes = [7, 0, 13]
+    out = ragged_dot_tpu.ragged_dot(
+        lhs,
+        torch.from_numpy(np.array(q)),
+        torch.tensor(sizes, dtype=torch.int32),
+        transpose_rhs=True,
+        rhs_scale=torch.from_numpy(np.asarray(scale)),
+        quantize_lhs=True,
+    )
+    ct = torch.from_numpy(rng.standard_normal((20, 96))).bfloat16()
+    out.backward(ct)
+    x = jnp.asarray(lhs.detach().float().numpy())
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def ref(a, quantized, w=jnp.swapaxes(q, 1, 2)):
+        return ragged_dot_reference(
+            a, w, gs, 0, jnp.float32, rhs_scale=scale, quantize_lhs=quantized
+        )
+
+    want = ref(x, True)
+    q_rows, row_scale = w8a8.quantize_rows(x.astype(jnp.bfloat16), jnp.int8)
+    absw = jnp.abs(jnp.swapaxes(q, 1, 2).astype(jnp.float32))
+    mag = ref(jnp.abs(q_rows.astype(jnp.float32)) * row_scale, False, absw)
+    got = jnp.asarray(out.detach().float().numpy()).astype(jnp.bfloat16)  # exact: out is bf16
+    assert_close(got, want, magnitude=mag, dtype=jnp.bfloat16, roundings=0)
+    assert float(jnp.max(jnp.abs(want - ref(x, False)))) > 0
+    _, vjp_ref = jax.vjp(lambda a: ref(a, False), x)
+    _, vjp_mag = jax.vjp(lambda a: ref(a, False, absw), jnp.abs(x))
+    ct32 = jnp.asarray(ct.float().numpy())
+    assert_close(
+        jnp.asarray(lhs.grad.float().numpy()).astype(jnp.bfloat16),
+        vjp_ref(ct32)[0],
+        magnitude=vjp_mag(jnp.abs(ct32))[0],
+        dtype=jnp.bfloat16,
+        roundings=1,
+        what="d_lhs",
+    )
+
+
+def _fp8_experts(block_size):
+    """transformers' FP8Experts of a tiny Qwen3-MoE layer, random e4m3 weights
+    and scales (per tensor: one per half of gate_up and one for down)."""
+    import torch
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    config = Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=128, num_experts=4)
+    module = FP8Experts(config, block_size=block_size)
+    gen = torch.Generator().manual_seed(2)
+    for name, p in module.named_parameters():
+        if p.dtype == torch.float8_e4m3fn:
+            p.data = (torch.randn(p.shape, generator=gen) * 100).to(torch.float8_e4m3fn)
+        else:
+            p.data = torch.rand(p.shape, generator=gen) * 1e-3 + 1e-4
+    return module
+
+
+def test_experts_forward_w8a8_quantizes_fp8_experts_activations():
+    """experts_forward_w8a8 on transformers' FP8Experts with per-tensor scales:
+    the reference layer with quantized activations (the per-tensor scales
+    spread over their channels by the test), not the weight-only one; block
+    scales are refused naming the w8a8 argument."""
+    import torch
+
+    import ragged_dot_tpu
+
+    module = _fp8_experts(None)
+    t, e = 10, 4
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(t, 128, generator=gen).bfloat16()
+    idx = torch.randint(0, e, (t, 2), generator=gen, dtype=torch.int32)
+    weights = torch.rand(t, 2, generator=gen)
+    with torch.no_grad():
+        out = ragged_dot_tpu.experts_forward_w8a8(module, hidden, idx, weights)
+    as_jnp = lambda x: jnp.asarray(x.detach().float().numpy())  # noqa: E731
+    as_e4m3 = lambda x: jnp.asarray(x.detach().view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)  # noqa: E731
+    gu_s = as_jnp(module.gate_up_proj_scale_inv[..., 0].repeat_interleave(128, dim=1))
+    dn_s = as_jnp(module.down_proj_scale_inv[..., 0].repeat_interleave(128, dim=1))
+
+    def ref(quantized):
+        return moe_experts_reference(
+            jnp.asarray(hidden.float().numpy()).astype(jnp.bfloat16), jnp.asarray(idx.numpy()),
+            as_jnp(weights), as_e4m3(module.gate_up_proj), as_e4m3(module.down_proj), None, None,
+            e, True, False, True, "silu", 0, 1.702, 7.0, gu_s, dn_s,
+            quantize_activations=quantized,
+        ).astype(jnp.float32)  # fmt: skip
+
+    want = ref(True)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(as_jnp(out), want, atol=2**-7 * scale, rtol=2**-7)
+    # The weight-only layer is outside that tolerance: the flag reached both launches.
+    assert float(jnp.max(jnp.abs(ref(False) - want))) > 4 * 2**-7 * scale
+    with pytest.raises(ValueError, match="quantize_activations: w8a8 needs"):
+        ragged_dot_tpu.experts_forward_w8a8(_fp8_experts((128, 128)), hidden, idx, weights)

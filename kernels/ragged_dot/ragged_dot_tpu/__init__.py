@@ -10,7 +10,7 @@ layers.py transformers' `experts_forward`; hf_mxfp4.py the loader of
 GPT-OSS's MXFP4 checkpoints.
 """
 
-from .layers import experts_forward
+from .layers import experts_forward, experts_forward_w8a8
 from .ops import LIB as LIB, grouped_mm, ragged_dot
 
 
@@ -22,4 +22,10 @@ def use_mxfp4_quantizer(enable: bool = True) -> None:
     use(enable)
 
 
-__all__ = ["experts_forward", "grouped_mm", "ragged_dot", "use_mxfp4_quantizer"]
+__all__ = [
+    "experts_forward",
+    "experts_forward_w8a8",
+    "grouped_mm",
+    "ragged_dot",
+    "use_mxfp4_quantizer",
+]

@@ -20,7 +20,8 @@ run weight-only: the kernels read the FP8 bytes and widen them in VMEM, the
 activations stay in bf16 (no activation quantization, so the result is the
 dequantized model's, slightly more exact than FP8 x FP8). Register the same
 function for them: `ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu",
-kernel.experts_forward)`.
+kernel.experts_forward)`. `experts_forward_w8a8` is the opt-in w8a8 form
+(activations quantized in the kernel; per-tensor or per-channel scales).
 
 FP4 experts (`FineGrainedFP8Config(expert_dtype="fp4")`: int8 weights
 [E, N, K/2] holding two e2m1 values a byte, with e8m0 or power-of-two float
@@ -181,10 +182,28 @@ def experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers experts interface: [T, H], [T, k] ids, [T, k] weights -> [T, H]."""
+    return _experts(self, hidden_states, top_k_index, top_k_weights, quantize_activations=False)
+
+
+def experts_forward_w8a8(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """experts_forward with w8a8: for FP8Experts with per-tensor scales (and
+    int8 / float8_e4m3fn experts with per-channel ones), each row entering an
+    expert matmul is quantized in the kernel (its largest magnitude to 127 or
+    448) and the MXU runs 8-bit x 8-bit: fp8 on tpu7x, int8 on v5e / v6e.
+    Opt-in, as its own name to register: the activations are rounded to 8
+    bits. Block-scaled (128 x 128) or bf16 experts raise a ValueError."""
+    return _experts(self, hidden_states, top_k_index, top_k_weights, quantize_activations=True)
+
+
+def _experts(self, hidden_states, top_k_index, top_k_weights, *, quantize_activations):
     gate_up, down, up_bias, down_bias, up_scale, down_scale, is_transposed = _layer_weights(self)
     activation = _fused_activation(self)
     if activation is None:
-        return _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _unfused_experts_forward(
+            self, hidden_states, top_k_index, top_k_weights, quantize_activations
+        )
     return _moe_experts(
         hidden_states,
         top_k_index,
@@ -203,6 +222,7 @@ def experts_forward(
         float(getattr(self, "limit", None) or 7.0),
         up_scale,
         down_scale,
+        quantize_activations,
     )
 
 
@@ -222,7 +242,7 @@ def _layer_weights(module):
     return gate_up, down, up_bias, down_bias, up_scale, down_scale, is_transposed
 
 
-def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights, quantize_lhs):
     """Slower path for gates and norms we cannot fuse: two ragged-dot kernel calls,
     the model's own `_apply_gate` / `act_fn` / `post_expert_norm` between them."""
     gate_up, down, up_bias, down_bias, up_scale, down_scale, is_transposed = _layer_weights(self)
@@ -238,12 +258,24 @@ def _unfused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     group_sizes = torch.bincount(key, minlength=num_experts + 1)[:num_experts].to(torch.int32)
     x = hidden_states[order // k].to(dtype)
     rows_expert = key_sorted.clamp(max=num_experts - 1)
-    proj = ragged_dot(x, gate_up, group_sizes, transpose_rhs=transpose, rhs_scale=up_scale)
+    proj = ragged_dot(
+        x,
+        gate_up,
+        group_sizes,
+        transpose_rhs=transpose,
+        rhs_scale=up_scale,
+        quantize_lhs=quantize_lhs,
+    )
     if up_bias is not None:
         proj = proj + up_bias[rows_expert]
     proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
     out = ragged_dot(
-        proj.to(dtype), down, group_sizes, transpose_rhs=transpose, rhs_scale=down_scale
+        proj.to(dtype),
+        down,
+        group_sizes,
+        transpose_rhs=transpose,
+        rhs_scale=down_scale,
+        quantize_lhs=quantize_lhs,
     )
     if down_bias is not None:
         out = out + down_bias[rows_expert]

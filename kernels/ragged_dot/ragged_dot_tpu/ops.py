@@ -23,17 +23,18 @@ LIB = OpLibrary("ragged_dot_tpu", Path(__file__).parent)
 
 
 def _rd_statics(args, interpret):
-    _, _, _, _, transpose_rhs, out_dtype, _, _ = args
+    _, _, _, _, transpose_rhs, out_dtype, _, _, quantize_lhs = args
     return dict(
         transpose_rhs=transpose_rhs,
         preferred_element_type=jnp.dtype(out_dtype) if out_dtype else None,
         config=None,
         interpret=interpret,
+        quantize_lhs=quantize_lhs,
     )
 
 
 def _rd_arrays(args):
-    lhs, rhs, group_sizes, group_offset, _, _, rhs_scale, bias = args
+    lhs, rhs, group_sizes, group_offset, _, _, rhs_scale, bias, _ = args
     return lhs, rhs, group_sizes, jnp.asarray(group_offset, jnp.int32), rhs_scale, bias
 
 
@@ -48,15 +49,26 @@ def _rd_backward(args, out, residuals, grad, *, interpret):
     return d_lhs, d_rhs, d_bias
 
 
-def _rd_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale, bias):
+def _rd_reference(
+    lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale, bias, quantize_lhs
+):
     if transpose_rhs:
         rhs, rhs_scale = reference.as_kn(rhs, rhs_scale)
     return reference.ragged_dot_reference(
-        lhs, rhs, group_sizes, group_offset, out_dtype or None, rhs_scale=rhs_scale, bias=bias
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        out_dtype or None,
+        rhs_scale=rhs_scale,
+        bias=bias,
+        quantize_lhs=quantize_lhs,
     )
 
 
-def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale, bias):
+def _rd_check(
+    lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs_scale, bias, quantize_lhs
+):
     checks.check_ragged_dot_args(
         lhs,
         rhs,
@@ -65,6 +77,7 @@ def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs
         transpose_rhs=transpose_rhs,
         rhs_scale=rhs_scale,
         bias=bias,
+        quantize_lhs=quantize_lhs,
     )
     if out_dtype:
         checks.check_dtype("out_dtype", out_dtype)
@@ -73,7 +86,7 @@ def _rd_check(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, rhs
 _ragged_dot = LIB.define_differentiable(
     "ragged_dot",
     "(Tensor lhs, Tensor rhs, Tensor group_sizes, int group_offset, bool transpose_rhs, str out_dtype, "
-    "Tensor? rhs_scale, Tensor? bias) -> Tensor",
+    "Tensor? rhs_scale, Tensor? bias, bool quantize_lhs) -> Tensor",
     forward=_rd_forward,
     backward=_rd_backward,
     reference=_rd_reference,
@@ -91,6 +104,7 @@ def _moe_split(args, interpret):
     arrays = (*args[:7], jnp.asarray(args[12], jnp.int32), *args[15:17])
     names = ("num_experts", "has_gate", "is_transposed", "is_concatenated", "activation")
     statics = dict(zip(names, args[7:12]), alpha=args[13], limit=args[14])
+    statics["quantize_activations"] = args[17]
     return arrays, dict(statics, config=None, interpret=interpret)
 
 
@@ -108,7 +122,7 @@ def _moe_backward(args, out, residuals, grad, *, interpret):
 def _moe_check(*args):
     (hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, num_experts,
      has_gate, is_transposed, _, activation) = args[:12]  # fmt: skip
-    gate_up_scale, down_scale = args[15:17]
+    gate_up_scale, down_scale, quantize_activations = args[15:18]
     checks.check_moe_args(
         hidden,
         top_k_index,
@@ -123,6 +137,7 @@ def _moe_check(*args):
         activation,
         gate_up_scale,
         down_scale,
+        quantize_activations=quantize_activations,
     )
 
 
@@ -131,7 +146,7 @@ _moe_experts = LIB.define_differentiable(
     "(Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
     "Tensor? gate_up_bias, Tensor? down_bias, int num_experts, bool has_gate, bool is_transposed, "
     "bool is_concatenated, str activation, int group_offset, float alpha, float limit, "
-    "Tensor? gate_up_scale, Tensor? down_scale) -> Tensor",
+    "Tensor? gate_up_scale, Tensor? down_scale, bool quantize_activations) -> Tensor",
     forward=_moe_forward,
     backward=_moe_backward,
     reference=reference.moe_experts_reference,
@@ -169,6 +184,7 @@ def ragged_dot(
     out_dtype: torch.dtype | None = None,
     rhs_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    quantize_lhs: bool = False,
 ) -> torch.Tensor:
     """`jax.lax.ragged_dot` for torch: rows of group g times rhs[g].
 
@@ -182,6 +198,9 @@ def ragged_dot(
     Weight-only quantized rhs (int8, float8_e4m3fn) takes rhs_scale: [G, N]
     per output channel, or [G, A/128, B/128] per 128 x 128 block of rhs
     [G, A, B]; such weights and scales are frozen (no gradient).
+    quantize_lhs: w8a8 for int8 / float8_e4m3fn rhs with per-channel scales:
+    each lhs row is quantized in the kernel (its largest magnitude to 127 or
+    448) and the MXU runs 8-bit x 8-bit; d_lhs stays the weight-only product.
     """
     validate.check_tensors(
         ("rhs_scale", "bias"),
@@ -201,6 +220,7 @@ def ragged_dot(
         name,
         rhs_scale,
         bias,
+        bool(quantize_lhs),
     )
     _check_group_sizes(*args)
     return _ragged_dot(*args)
