@@ -276,6 +276,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: rows unpermuted with the forward permutation",
     ),
     Mutant(
+        "moe-inverse-sort",
+        MOE,
+        "    _, inv = jax.lax.sort((order, jnp.arange(",
+        "    inv, _ = jax.lax.sort((order, jnp.arange(",
+        (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
+        "moe: the inverse permutation's sort returns its keys (the identity)",
+    ),
+    Mutant(
         "gmm-unaligned-tail-dropped",
         GMM,
         "                columns(n_pieces * piece_n, tail_n)",
