@@ -192,8 +192,9 @@ def _lacks(hit: Compiled, want_cycles: bool, want_schedule: bool) -> bool:
 # Bumped whenever what a cached record holds is computed differently (how the
 # XLA part is charged): records of an older instrument are then misses, not
 # stale figures. 2: a Pallas kernel with several outputs is no longer also
-# charged as an XLA fusion (xla_fusions._CUSTOM_CALL).
-INSTRUMENT_VERSION = 2
+# charged as an XLA fusion (xla_fusions._CUSTOM_CALL). 3: gathers and scatters
+# offloaded to the SparseCore are charged their bytes (xla_fusions.offloaded_bytes).
+INSTRUMENT_VERSION = 3
 
 
 class CompileCache:

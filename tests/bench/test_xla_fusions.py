@@ -136,3 +136,16 @@ def test_a_record_of_an_older_instrument_is_compiled_again(tmp_path, monkeypatch
     assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is not again
     monkeypatch.setattr(xla_cost, "INSTRUMENT_VERSION", xla_cost.INSTRUMENT_VERSION + 1)
     assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is again
+
+
+def test_a_sparsecore_gather_is_charged_its_bytes():
+    # v6e's XLA runs a row gather on the SparseCore (an async offload whose code
+    # is not in the TensorCore dumps): it is charged reading and writing its
+    # result at copy bandwidth, where it used to cost nothing.
+    rows = jax.ShapeDtypeStruct((4 * ROWS,), jnp.int32)
+    s = xla_fusions.schedule_xla_parts(lambda x, i: x[i], [_spec(), rows], "v6e")
+    offloads = [f for f in s.fusions if xla_fusions._OFFLOAD_NOTE in f.notes]
+    assert len(offloads) == 1, s.fusions
+    moved = 2 * 4 * ROWS * COLS * 2 + 4 * ROWS * 4  # the rows twice, the indices once
+    assert offloads[0].dma_bytes == moved
+    assert s.total_us >= moved / schedule.copy_bytes_per_s("v6e") * 1e6
