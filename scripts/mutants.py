@@ -668,6 +668,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "experts_forward: FP4 weights reshaped, not transposed, to the kernel layout",
     ),
     Mutant(
+        "mx-fused-piece-scales",
+        MOE_DEC,
+        "w = w * mxfp4.spread_scales(s_ref[:, pl.ds(c0, width)], k)",
+        "w = w * mxfp4.spread_scales(s_ref[:, pl.ds(0, width)], k)",
+        (f"{T_DEC}::test_mxfp4_weights_decode_in_the_one_launch",),
+        "one-launch MXFP4: every column piece decoded with the first piece's scales",
+    ),
+    Mutant(
+        "mx-fused-down-scales",
+        MOE_DEC,
+        "src = ds_hbm.at[e] if mx else ds_hbm.at[pl.ds(e, 1)]",
+        "src = ds_hbm.at[active[0]] if mx else ds_hbm.at[pl.ds(e, 1)]",
+        (f"{T_DEC}::test_mxfp4_weights_decode_in_the_one_launch",),
+        "one-launch MXFP4: every expert's down projection scaled by the first active one's",
+    ),
+    Mutant(
         "mx-hf-blocks",
         HF_MX,
         "w, s = _fp4_projection(blocks.reshape(*blocks.shape[:2], -1), scales)",

@@ -169,6 +169,62 @@ def test_quantized_weights_match_the_same_rounding_points(
     assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
 
 
+@settings(max_examples=3, deadline=None)
+@given(
+    t=st.sampled_from([1, 3, 8]),
+    has_gate=st.booleans(),
+    shard=st.sampled_from([None, 2]),
+    e8m0=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(t=3, has_gate=True, shard=2, e8m0=False, seed=5)
+def test_mxfp4_weights_decode_in_the_one_launch(t, has_gate, shard, e8m0, seed):
+    """MXFP4 weights in mxfp4's kernel layout: the 4-bit slices and their
+    scale rows stream through the one launch and are decoded in VMEM; the
+    decoded weights are the checkpoint's values exactly, so the result is the
+    two-launch program's (its XLA reference on the dequantized weights) within
+    its rounding points."""
+    from ragged_dot_tpu import mxfp4
+
+    layout = (
+        ("transposed", True, True, True, False, "silu")
+        if has_gate
+        else ("up_only", False, True, True, False, "relu2")
+    )
+    # H = 384: down's columns are two decoded pieces (mxfp4's 256 and a tail).
+    e, h, i, k = 6, 384, 256, 2
+    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=seed)
+    idx, w = _routing(t, k, e, seed=seed + 1)
+    hid = _j(torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)), BF)
+    gu_q, gu_s = mxfp4.quantize(_j(gu))  # [E, H/2, (2)I], [E, 32, (2)I]
+    dn_q, dn_s = mxfp4.quantize(_j(dn))  # [E, I/2, H], [E, 32, H]
+    if e8m0:
+        gu_s, dn_s = (jax.lax.bitcast_convert_type(s_, jnp.float8_e8m0fnu) for s_ in (gu_s, dn_s))
+    num, off = (e, 0) if shard is None else (e - shard, shard)
+    args = (hid, _j(idx).astype(jnp.int32), _j(w))
+    weights = (gu_q[off:], dn_q[off:], None, None, gu_s[off:], dn_s[off:])
+    fn = lambda *a: moe_experts(*a, **_kw(layout, num, group_offset=off))  # noqa: E731
+    assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
+    out = fn(*args, *weights)
+    _, _, is_transposed, is_conc, _, act = layout
+    same = reference.moe_experts_reference(
+        *args, *weights[:4], num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0,
+        *weights[4:],
+    )  # fmt: skip
+    deq = lambda q, s_: mxfp4.dequantize(q, mxfp4.scale_bytes(s_))  # noqa: E731
+    mag = _down_terms(
+        *args,
+        deq(gu_q, gu_s)[off:],
+        deq(dn_q, dn_s)[off:],
+        num=num,
+        off=off,
+        has_gate=has_gate,
+        transposed=True,
+        act=act,
+    )
+    assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
+
+
 def _down_terms(hid, idx, w, gu, dn, *, num, off, has_gate, transposed, act):
     """Per output element, sum over local slots of |w| x sum_i s_i |Wd_i|, s
     the scale of activation i's error: a bf16 flip of the gate or up

@@ -389,6 +389,8 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
     if isinstance(config, tiling.MoeConfig) or statics.get("quantize_activations"):
         return None
     inter = down.shape[1] if statics["is_transposed"] else down.shape[2]
+    if mxfp4.is_mxfp4(down.dtype):  # [E, I/2, H]: two values a byte
+        inter *= 2
     if isinstance(config, tiling.FusedMoeConfig):
         # Blocks given by hand: the layer must be one the kernel carries.
         rule = _fused_config(arrays, dict(statics, config=None))
@@ -402,7 +404,7 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
             )
             raise ValueError(
                 "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16"
-                " activations, bf16 or per-channel int8/fp8 weights, no biases, gate/up halves"
+                " activations, bf16, per-channel int8/fp8 or MXFP4 weights, no biases, gate/up halves"
                 f" not interleaved, at most {most} tokens with these shapes); got"
                 f" {hidden.shape[0]} tokens of"
                 f" {hidden.dtype.name} with {gate_up.dtype.name} weights"

@@ -43,6 +43,10 @@ second launch's prologue and epilogue. Here:
 * int8 / float8_e4m3fn weights with per-output-channel scales (weight-only)
   stream their one-byte elements; each slice is widened to bf16 in VMEM and
   the slice's scales (DMA'd beside it) multiply the f32 products, as in gmm.
+  MXFP4 weights (mxfp4's kernel layout, whole experts per item) stream their
+  4-bit bytes and e8m0 scale rows and are decoded on the VPU piece by piece
+  of columns (mxfp4.decode_pairs), as gmm decodes them; only the active
+  experts' scales move, where two launches let XLA copy every expert's.
 
 What it does not carry (``tiling.fused_moe_config`` says None and the layer
 runs as two gmm launches): more tokens, f32 weights, 128 x 128 block scales,
@@ -61,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from . import moe, tiling
+from . import moe, mxfp4, tiling
 
 
 def _kernel(
@@ -83,6 +87,7 @@ def _kernel(
     gu_transposed,
     dn_transposed,
     quantized,
+    mx,
     activation,
     alpha,
     limit,
@@ -116,7 +121,10 @@ def _kernel(
             else:  # [E, 2I, H]
                 src = gu_hbm.at[e, pl.ds(start, block_i), :]
             dmas.append(pltpu.make_async_copy(src, gbuf.at[slot, p], sem.at[slot, p]))
-            if quantized:  # this slice's output-channel scales (I % 128 == 0 here)
+            if mx:  # the slice's e8m0 scale rows, [S(H), block_i]
+                src = gs_hbm.at[e] if n_proj == 1 else gs_hbm.at[e, :, pl.ds(start, block_i)]
+                dmas.append(pltpu.make_async_copy(src, gsbuf.at[slot, p], sem.at[slot, 3 + p]))
+            elif quantized:  # this slice's output-channel scales (I % 128 == 0 here)
                 src = gs_hbm.at[pl.ds(e, 1), pl.ds(start, block_i)]
                 dmas.append(pltpu.make_async_copy(src, gsbuf.at[slot, p], sem.at[slot, 3 + p]))
         if n_chunks == 1:
@@ -130,7 +138,7 @@ def _kernel(
             src = dn_hbm.at[e, :, pl.ds(col, block_i)]
         dmas.append(pltpu.make_async_copy(src, dbuf.at[slot], sem.at[slot, 2]))
         if quantized:
-            src = ds_hbm.at[pl.ds(e, 1)]
+            src = ds_hbm.at[e] if mx else ds_hbm.at[pl.ds(e, 1)]
             dmas.append(pltpu.make_async_copy(src, dsbuf.at[slot], sem.at[slot, 5]))
         return dmas
 
@@ -189,9 +197,21 @@ def _kernel(
         dims = (((1,), (contract_w,)), ((), ()))
         return lax.dot_general(lhs, w, dims, preferred_element_type=jnp.float32)
 
+    def mx_dot(lhs, w_ref, s_ref):
+        """lhs @ the FP4 weights w_ref [K/2, N] with e8m0 scales s_ref [S, N],
+        decoded piece by piece of columns (mxfp4.decode_pairs, as gmm does)."""
+        k, n = 2 * w_ref.shape[0], w_ref.shape[1]
+        outs = []
+        for c0 in range(0, n, tiling.MXFP4_PIECE):
+            width = min(tiling.MXFP4_PIECE, n - c0)
+            w = mxfp4.decode_pairs(w_ref[:, pl.ds(c0, width)].astype(jnp.int32))
+            w = w * mxfp4.spread_scales(s_ref[:, pl.ds(c0, width)], k)
+            outs.append(dot(lhs, w.astype(dtype), 0))
+        return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
     def add_expert(a, y, slot):
         """acc += w_e * round(y) on the rows of the tokens that chose expert a."""
-        if quantized:  # per output channel: commutes with the sum over slices
+        if quantized and not mx:  # per output channel: commutes with the sum over slices
             y = y * dsbuf[slot].astype(jnp.float32)
         y = y.astype(dtype).astype(jnp.float32)
         mine = ids_ref[...] == active[a] + goff  # [T, k]
@@ -215,17 +235,25 @@ def _kernel(
         # activations'), scaled in f32 first, as in experts_program.
         proj = []
         for p in range(n_proj):
-            w = gbuf[slot, p]
-            y = dot(x, w.astype(dtype) if quantized else w, 0 if gu_transposed else 1)
-            if quantized:
+            if mx:
+                y = mx_dot(x, gbuf.at[slot, p], gsbuf.at[slot, p])
+            else:
+                w = gbuf[slot, p]
+                y = dot(x, w.astype(dtype) if quantized else w, 0 if gu_transposed else 1)
+            if quantized and not mx:
                 y = y * gsbuf[slot, p].astype(jnp.float32)
             proj.append(y.astype(dtype))
         if has_gate:
             h = moe.glu(proj[0], proj[1], activation=activation, alpha=alpha, limit=limit)
         else:
             h = moe.act(activation, proj[0].astype(jnp.float32))
-        wd = dbuf[slot]
-        y = dot(h.astype(dtype), wd.astype(dtype) if quantized else wd, 0 if dn_transposed else 1)
+        if mx:
+            y = mx_dot(h.astype(dtype), dbuf.at[slot], dsbuf.at[slot])
+        else:
+            wd = dbuf[slot]
+            y = dot(
+                h.astype(dtype), wd.astype(dtype) if quantized else wd, 0 if dn_transposed else 1
+            )
         if n_chunks == 1:
             add_expert(a, y, slot)
         else:
@@ -285,11 +313,15 @@ def fused_moe_decode(
     to hidden's dtype in VMEM. Returns [T, H] in hidden's dtype."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
-    inter = down.shape[1] if dn_transposed else down.shape[2]
+    mx = mxfp4.is_mxfp4(gate_up.dtype)
+    if mx and not (gu_transposed and dn_transposed):
+        raise ValueError("fused_moe_decode: MXFP4 weights come in mxfp4's kernel layout")
+    packed = 2 if mx else 1  # contraction rows per stored row
+    inter = packed * (down.shape[1] if dn_transposed else down.shape[2])
     bi, buffers = config.block_i, config.buffers
     n_proj = 2 if has_gate else 1
-    gshape = (buffers, n_proj, h, bi) if gu_transposed else (buffers, n_proj, bi, h)
-    dshape = (buffers, bi, h) if dn_transposed else (buffers, h, bi)
+    gshape = (buffers, n_proj, h // packed, bi) if gu_transposed else (buffers, n_proj, bi, h)
+    dshape = (buffers, bi // packed, h) if dn_transposed else (buffers, h, bi)
     scratch = [
         pltpu.VMEM(gshape, gate_up.dtype),
         pltpu.VMEM(dshape, down.dtype),
@@ -304,7 +336,13 @@ def fused_moe_decode(
         pltpu.SemaphoreType.DMA((3,)),
     ]
     quantized = gate_up_scale is not None
-    if quantized:
+    if mx:
+        gate_up_scale, down_scale = map(mxfp4.scale_bytes, (gate_up_scale, down_scale))
+        scratch += [
+            pltpu.VMEM((buffers, n_proj, gate_up_scale.shape[1], bi), jnp.uint8),
+            pltpu.VMEM((buffers, down_scale.shape[1], h), jnp.uint8),
+        ]
+    elif quantized:
         scratch += [
             pltpu.VMEM((buffers, n_proj, 1, bi), gate_up_scale.dtype),
             pltpu.VMEM((buffers, 1, h), down_scale.dtype),
@@ -325,12 +363,13 @@ def fused_moe_decode(
         gu_transposed=gu_transposed,
         dn_transposed=dn_transposed,
         quantized=quantized,
+        mx=mx,
         activation=activation,
         alpha=alpha,
         limit=limit,
     )
     active = min(num_experts, t * k)
-    wbytes = active * (n_proj + 1) * h * inter * jnp.dtype(gate_up.dtype).itemsize
+    wbytes = active * tiling.fused_moe_item_bytes(h, inter, has_gate, gate_up.dtype)
     cost = pl.CostEstimate(
         flops=2 * t * h * inter * (n_proj + 1) * active,
         transcendentals=t * inter * active,

@@ -620,7 +620,7 @@ def fused_moe_max_tokens(
     padded = (
         mats * round_up(block_i, gen.chunk_m) * round_up(hidden, gen.chunk_m) * (inter // block_i)
     )
-    dma_s = mats * inter * hidden * jnp.dtype(w_dtype).itemsize / gen.hbm_bytes_per_s
+    dma_s = mats * inter * hidden * _bytes_per_weight(w_dtype) / gen.hbm_bytes_per_s
     most = int(dma_s / (padded * _row_s_per_elem(gen)))
     if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and gen.name not in FP8_VPU_GENERATIONS:
         return min(most, FUSED_MOE_SLOW_FP8_MAX_TOKENS)
@@ -654,8 +654,20 @@ def check_fused_moe_config(cfg: FusedMoeConfig, inter: int) -> None:
         raise ValueError(f"config.buffers: expected 2 or more, got {cfg.buffers}")
 
 
+def _bytes_per_weight(w_dtype) -> float:
+    return 0.5 if mxfp4.is_mxfp4(w_dtype) else jnp.dtype(w_dtype).itemsize
+
+
 def fused_moe_item_bytes(hidden: int, block_i: int, has_gate: bool, w_dtype) -> int:
-    return (3 if has_gate else 2) * hidden * block_i * jnp.dtype(w_dtype).itemsize
+    n_proj = 2 if has_gate else 1
+    weights = int((n_proj + 1) * hidden * block_i * _bytes_per_weight(w_dtype))
+    if mxfp4.is_mxfp4(w_dtype):  # e8m0 scale rows beside each weight
+        return (
+            weights
+            + n_proj * mxfp4.scale_rows(hidden) * block_i
+            + (mxfp4.scale_rows(block_i) * hidden)
+        )
+    return weights
 
 
 def fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized=False) -> int:
@@ -683,19 +695,27 @@ def fused_moe_config(
 ) -> FusedMoeConfig | None:
     """The one-launch layer's blocks, or None where the layer runs as two gmm
     launches (more tokens than fused_moe_max_tokens; f32 weights, or quantized
-    ones with 128 x 128 block scales, FP4; biases or GPT-OSS's interleaved gate/up,
+    ones with 128 x 128 block scales; biases or GPT-OSS's interleaved gate/up,
     which the kernel does not carry; an I whose gate/up halves, slices or
     scale slices would not start on a memory tile; no fit in VMEM). int8 /
-    fp8 weights with per-channel scales are carried."""
+    fp8 weights with per-channel scales are carried, and MXFP4 ones in their
+    kernel layout, whole experts per stream item."""
     bf16 = jnp.dtype(jnp.bfloat16)
     gen = get_generation(generation)
-    quantized = is_quantized(w_dtype)
-    if tokens < 1 or has_bias or block_scales or mxfp4.is_mxfp4(w_dtype):
+    mx = mxfp4.is_mxfp4(w_dtype)
+    quantized = is_quantized(w_dtype) or mx
+    if tokens < 1 or has_bias or (block_scales and not mx):
         return None
     if jnp.dtype(hidden_dtype) != bf16 or not (jnp.dtype(w_dtype) == bf16 or quantized):
         return None
     if has_gate and not is_concatenated:
         return None
+    if mx:
+        # Kernel layout ([E, H/2, 2I], [E, I/2, H]), whole experts: a slice of
+        # down's rows would split its scale rows off their 32-row tiles.
+        if not is_transposed or inter % 128:
+            return None
+        return _fused_config_of(tokens, hidden, inter, [inter], has_gate, w_dtype, gen)
     if quantized and inter % 128:  # scale slices start on lane tiles
         return None
     # gate_up as the kernel reads it, as XLA stores it (api._hbm_view): True
@@ -712,15 +732,22 @@ def fused_moe_config(
     # widest within the item size, else the narrowest MXU-wide one.
     wide = [b for b in blocks if b == inter or b % gen.chunk_m == 0]
     fitting = [b for b in wide if item_of(b) <= FUSED_MOE_ITEM_BYTES]
-    order = fitting[:1] + wide[::-1] + blocks[::-1]
+    order = list(dict.fromkeys(fitting[:1] + wide[::-1] + blocks[::-1]))
+    return _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen)
+
+
+def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
+    """The first block_i of `order` that takes `tokens`, with as many buffers as
+    cover the DMA latency and fit VMEM; None if none does."""
+    quantized = is_quantized(w_dtype) or mxfp4.is_mxfp4(w_dtype)
     in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
-    for block_i in dict.fromkeys(order):
+    for block_i in order:
         most = fused_moe_max_tokens(
             hidden, inter, block_i, has_gate=has_gate, w_dtype=w_dtype, generation=gen.name
         )
         if tokens > most:
             continue
-        item = item_of(block_i)
+        item = fused_moe_item_bytes(hidden, block_i, has_gate, w_dtype)
         for buffers in range(min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // item))), 1, -1):
             need = fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized)
             if need <= gen.vmem_budget:
