@@ -270,10 +270,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-unpermute",
         MOE,
-        'rows = jnp.take(out, inv, axis=0, unique_indices=True, mode="clip")',
-        'rows = jnp.take(out, order, axis=0, unique_indices=True, mode="clip")',
+        "inv_km = inv.reshape(t, k).T.reshape(-1)",
+        "inv_km = order.reshape(t, k).T.reshape(-1)",
         (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
         "moe: rows unpermuted with the forward permutation",
+    ),
+    Mutant(
+        "moe-combine-slot-major",
+        MOE,
+        "valid_km, w_km = valid.reshape(t, k).T, w.reshape(t, k).T",
+        "valid_km, w_km = valid.reshape(k, t), w.reshape(k, t)",
+        (f"{T_MOE}::test_matches_transformers_grouped_mm_f32",),
+        "moe: the combine's routing weights read token-major against slot-major rows",
     ),
     Mutant(
         "moe-inverse-sort",

@@ -169,17 +169,23 @@ def experts_program(
         res = combine_by_matmul(out, tok_sorted, w_sorted, key_sorted < num_experts, t)
         res = jnp.where(bad[:, None], jnp.nan, res)
         return res.astype(hidden.dtype)
-    # Combine in (token, slot) order: gather each pair's row of `out` in the
-    # weights' dtype, then weight and sum over k in f32 in the same fusion. An
-    # f32 [S, H] weighted copy in sorted order, gathered afterwards, costs two
-    # more passes over the largest array of the layer (2 ms at 8k-token prefill).
+    # Combine: gather each pair's row of `out` in the weights' dtype, then
+    # weight and sum over k in f32 in the same fusion. An f32 [S, H] weighted
+    # copy in sorted order, gathered afterwards, costs two more passes over the
+    # largest array of the layer (2 ms at 8k-token prefill). The rows are
+    # gathered slot-major, [k, T, H], so the sum over k adds whole (8, 128)
+    # tiles of tokens: token-major, k sat on the sublanes and every tile took
+    # a cross-sublane reduction (the fusion was VALU-bound, 318 us at 8,192
+    # Qwen3 tokens on v6e; now 215, its bytes at copy bandwidth).
     # The inverse permutation by a second sort, not a scatter: XLA runs an
     # int32 scatter of S = tokens x top_k values as a scalar loop (302 us at
     # 8,192 Qwen3 tokens on v6e, by its own schedule), its sort in 25 us.
     _, inv = jax.lax.sort((order, jnp.arange(order.shape[0], dtype=order.dtype)), num_keys=1)
-    rows = jnp.take(out, inv, axis=0, unique_indices=True, mode="clip")
-    weighted = jnp.where(valid[:, None], rows.astype(jnp.float32), 0.0) * w[:, None]
-    return weighted.reshape(t, k, h).sum(axis=1).astype(hidden.dtype)
+    inv_km = inv.reshape(t, k).T.reshape(-1)  # slot-major: rows [k, T, H]
+    rows = jnp.take(out, inv_km, axis=0, unique_indices=True, mode="clip").reshape(k, t, h)
+    valid_km, w_km = valid.reshape(t, k).T, w.reshape(t, k).T
+    weighted = jnp.where(valid_km[..., None], rows.astype(jnp.float32), 0.0) * w_km[..., None]
+    return weighted.sum(axis=0).astype(hidden.dtype)
 
 
 def _exact_dot(a, b):
