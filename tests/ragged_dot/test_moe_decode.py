@@ -338,3 +338,19 @@ def test_hand_written_blocks_are_checked():
     f32 = (*args[:3], _j(gu), _j(dn))
     with pytest.raises(ValueError, match="config: a FusedMoeConfig needs a layer"):
         moe_experts(*f32, **_kw(layout, 4, config=tiling.FusedMoeConfig(128, 3)))
+
+
+def test_mxfp4_past_its_token_limit_takes_two_launches():
+    """MXFP4's limit counts half a byte a weight: a quarter of bf16's tokens."""
+    from ragged_dot_tpu import mxfp4
+
+    e, h, i, k = 4, 128, 128, 2
+    most = tiling.fused_moe_max_tokens(h, i, i, w_dtype=jnp.uint8)
+    assert most < tiling.fused_moe_max_tokens(h, i, i, w_dtype=jnp.int8)
+    gu, gs = mxfp4.quantize(jnp.ones((e, h, 2 * i), jnp.float32))
+    dn, ds = mxfp4.quantize(jnp.ones((e, i, h), jnp.float32))
+    layout = ("transposed", True, True, True, False, "silu")
+    for t, want in ((most, "moe_decode_fused"), (most + 1, "ragged_dot_gmm")):
+        args = (jnp.zeros((t, h), BF), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)))
+        fn = lambda *a: moe_experts(*a, **_kw(layout, e))  # noqa: E731
+        assert _launches(fn, *args, gu, dn, None, None, gs, ds) == [want], t
