@@ -309,7 +309,9 @@ def test_torch_moe_op_backward_leaves_fp8_weights_and_scales_without_gradient():
     for p in params:
         p.requires_grad_(True)
     statics = (e, True, False, True, "silu", 0, 1.702, 7.0)
-    out = rd_ops._moe_experts(hidden, idx, weights, *params[:2], None, None, *statics, *params[2:], False)
+    out = rd_ops._moe_experts(
+        hidden, idx, weights, *params[:2], None, None, *statics, *params[2:], False
+    )
     ct = torch.randn(t, h, generator=gen)
     out.backward(ct)
     assert all(p.grad is None for p in params)
