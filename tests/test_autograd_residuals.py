@@ -79,7 +79,7 @@ def _fused_args():
 
 def _ragged_args():
     sizes = torch.tensor([5, 0, 11], dtype=torch.int32)
-    return (torch.randn(24, 128), torch.randn(3, 128, 256), sizes, 0, False, "", None, None)
+    return (torch.randn(24, 128), torch.randn(3, 128, 256), sizes, 0, False, "", None, None, False)
 
 
 def _moe_args():
@@ -102,6 +102,7 @@ def _moe_args():
         7.0,
         None,
         None,
+        False,
     )
 
 
