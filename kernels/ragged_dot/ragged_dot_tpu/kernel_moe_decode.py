@@ -310,7 +310,10 @@ def fused_moe_decode(
     given in the orientation XLA stores it in (api: tiling.weight_minor_swapped).
     int8 / float8_e4m3fn weights come with per-output-channel scales,
     gate_up_scale [E, 2I] and down_scale [E, H] (f32 or bf16), and are widened
-    to hidden's dtype in VMEM. Returns [T, H] in hidden's dtype."""
+    to hidden's dtype in VMEM. MXFP4 (uint8) weights come in mxfp4's kernel
+    layout, gate_up [E, H/2, 2I] and down [E, I/2, H] (both "transposed"),
+    with e8m0 scales [E, S(H), 2I] and [E, S(I), H]. Returns [T, H] in
+    hidden's dtype."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     mx = mxfp4.is_mxfp4(gate_up.dtype)
