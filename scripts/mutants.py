@@ -65,6 +65,7 @@ MOE_DEC = "kernels/ragged_dot/ragged_dot_tpu/kernel_moe_decode.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
 MX = "kernels/ragged_dot/ragged_dot_tpu/mxfp4.py"
 HF_MX = "kernels/ragged_dot/ragged_dot_tpu/hf_mxfp4.py"
+HF_FP8 = "kernels/ragged_dot/ragged_dot_tpu/hf_fp8.py"
 FA = "kernels/flash_attention/flash_attention_tpu/kernel_fwd.py"
 FA_BWD = "kernels/flash_attention/flash_attention_tpu/kernel_bwd.py"
 FA_API = "kernels/flash_attention/flash_attention_tpu/api.py"
@@ -690,6 +691,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "src = ds_hbm.at[active[0]] if mx else ds_hbm.at[pl.ds(e, 1)]",
         (f"{T_DEC}::test_mxfp4_weights_decode_in_the_one_launch",),
         "one-launch MXFP4: every expert's down projection scaled by the first active one's",
+    ),
+    Mutant(
+        "fp8-hf-linear-scale",
+        HF_FP8,
+        "module.weight.detach(), module.weight_scale_inv.detach(), module.block_size, torch.float32",
+        "module.weight.detach(), torch.ones_like(module.weight_scale_inv), module.block_size, torch.float32",
+        (f"{T_E2E}::test_fp8_checkpoint_loads_fp8_experts_on_a_host_without_cuda",),
+        "FP8 loader: the dequantized Linears lose their scales",
     ),
     Mutant(
         "mx-hf-blocks",

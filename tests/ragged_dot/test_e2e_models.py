@@ -351,3 +351,86 @@ def test_gpt_oss_mxfp4_quantizer_keeps_dequantize_and_refuses_quantizing(
     bf16.save_pretrained(tmp_path / "bf16")
     with pytest.raises(ValueError, match="does not quantize bf16 weights while loading"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=Mxfp4Config())
+
+
+@pytest.fixture
+def fp8_quantizer(kernel):
+    """Our FP8 quantizer in transformers' registry for the test, then theirs again."""
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    theirs = AUTO_QUANTIZER_MAPPING["fp8"]
+    yield
+    kernel.use_fp8_quantizer(False)
+    assert AUTO_QUANTIZER_MAPPING["fp8"] is theirs
+
+
+@pytest.mark.parametrize("block", [[128, 128], None], ids=["blocks", "per_tensor"])
+def test_fp8_checkpoint_loads_fp8_experts_on_a_host_without_cuda(
+    block, kernel, fp8_quantizer, tmp_path, monkeypatch
+):
+    """A pre-quantized finegrained FP8 checkpoint (every Linear FP8 but the
+    router and lm_head, as Qwen3-30B-A3B-FP8 ships) through
+    `use_fp8_quantizer()` on a host without CUDA: the experts stay FP8 and run
+    our experts_forward, the other Linears are dequantized at load, and the
+    logits and greedy tokens equal an f32 model holding the weights
+    transformers' own loader dequantizes (its code, not ours)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    sizes = dict(hidden_size=128, head_dim=32, moe_intermediate_size=128, num_experts=4)
+    _save_tiny("qwen3_moe", tmp_path / "bf16", **sizes)
+    # The checkpoint, quantized by transformers' own quantizer (its environment
+    # check lifted only to write it: quantizing needs no CUDA, its matmuls do).
+    with monkeypatch.context() as m:
+        m.setattr(
+            quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer,
+            "validate_environment",
+            lambda self, *a, **k: None,
+        )
+        quant = FineGrainedFP8Config(
+            weight_block_size=block, modules_to_not_convert=["gate", "lm_head"]
+        )
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path / "bf16", quantization_config=quant, dtype=torch.float32
+        ).save_pretrained(tmp_path / "fp8")
+
+    # transformers' own loader, no CUDA here: it dequantizes the Linears. Its
+    # experts come back as the FP8 bytes without their scales (the checkpoint
+    # it wrote names the experts' scales fused, their weights per expert), so
+    # the reference's experts are dequantized by this test from ours, below.
+    ref = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", experts_implementation="eager", dtype=torch.float32
+    ).eval()
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return kernel.experts_forward(*args)
+
+    ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_fp8_loaded", counted)
+    kernel.use_fp8_quantizer()
+    ours = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", experts_implementation="ragged_dot_tpu_fp8_loaded", dtype=torch.float32
+    ).eval()
+    for layer, lr in zip(ours.model.layers, ref.model.layers):
+        experts, attn = layer.mlp.experts, layer.self_attn
+        assert isinstance(experts, FP8Experts)
+        assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
+        assert type(attn.q_proj) is torch.nn.Linear and attn.q_proj.weight.dtype == torch.float32
+        for p in lr.parameters():
+            p.data = p.data.float()
+        er = lr.mlp.experts
+        er.gate_up_proj.data = _dequantized(
+            experts.gate_up_proj, experts.gate_up_proj_scale_inv, block
+        )
+        er.down_proj.data = _dequantized(experts.down_proj, experts.down_proj_scale_inv, block)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+        assert len(calls) == 2  # one per layer
+        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="does not quantize bf16 weights while loading"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=quant)
