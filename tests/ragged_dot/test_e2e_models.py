@@ -98,14 +98,33 @@ def _counted_fp8_experts(kernel, monkeypatch, name):
         "validate_environment",
         lambda self, *a, **k: None,
     )
+    counted, calls = _counting(kernel.experts_forward)
+    ALL_FP8_EXPERTS_FUNCTIONS.register(name, counted)
+    return calls
+
+
+def _counting(experts_fn):
+    """(experts_fn recording each call's hidden states shape, the list of them)."""
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape)
-        return kernel.experts_forward(*args, **kwargs)
+        return experts_fn(*args, **kwargs)
 
-    ALL_FP8_EXPERTS_FUNCTIONS.register(name, counted)
-    return calls
+    return counted, calls
+
+
+def _assert_same_model(ours, ref, calls):
+    """f32 logits within 1e-5, our experts called once per layer (`calls`),
+    and the same greedy tokens; returns the token ids it ran."""
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+        assert len(calls) == len(ours.model.layers)
+        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, want)
+    return ids
 
 
 def _dequantized(weight, scale_inv, block):
@@ -155,13 +174,7 @@ def test_fp8_checkpoint_experts_run_weight_only(block, kernel, tmp_path, monkeyp
         assert eq.gate_up_proj.dtype == eq.down_proj.dtype == torch.float8_e4m3fn
         er.gate_up_proj.data = _dequantized(eq.gate_up_proj, eq.gate_up_proj_scale_inv, block)
         er.down_proj.data = _dequantized(eq.down_proj, eq.down_proj_scale_inv, block)
-    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
-        assert len(calls) == 2  # one per layer: the FP8 experts ran through our kernel
-        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
-        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
-    assert torch.equal(got, want)
+    _assert_same_model(ours, ref, calls)
 
 
 def _fp4_checkpoint(path):
@@ -224,13 +237,7 @@ def test_fp4_checkpoint_experts_run_as_mxfp4(kernel, tmp_path, monkeypatch):
         assert eq.gate_up_proj.shape[-1] == 64  # 128 inputs, two a byte
         er.gate_up_proj.data = _fp4_dequantized(eq.gate_up_proj, eq.gate_up_proj_scale_inv)
         er.down_proj.data = _fp4_dequantized(eq.down_proj, eq.down_proj_scale_inv)
-    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
-        assert len(calls) == 2  # one per layer: the FP4 experts ran through our kernel
-        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
-        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
-    assert torch.equal(got, want)
+    ids = _assert_same_model(ours, ref, calls)
     # Converted once per layer and kept while the weights do not change.
     experts = ours.model.layers[0].mlp.experts
     kept = experts.__dict__["_ragged_dot_tpu_fp4"]
@@ -301,12 +308,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_4bit_and_runs_our_experts(
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32).eval()
 
     layers = importlib.import_module(kernel.__name__ + ".hf_mxfp4")
-    calls = []
-
-    def counted(*args):
-        calls.append(args[1].shape)
-        return kernel.experts_forward(*args)
-
+    counted, calls = _counting(kernel.experts_forward)
     monkeypatch.setattr(layers, "experts_forward", counted)
     for lq, lr in zip(ours.model.layers, ref.model.layers):
         eq, er = lq.mlp.experts, lr.mlp.experts
@@ -317,13 +319,7 @@ def test_gpt_oss_mxfp4_checkpoint_loads_4bit_and_runs_our_experts(
         assert eq.gate_up_proj.numel() * 2 == er.gate_up_proj.numel()
         for p in er.parameters():
             p.data = p.data.float()  # bf16 holds every e2m1 x 2^e exactly
-    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
-        assert len(calls) == 2  # one per layer
-        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
-        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
-    assert torch.equal(got, want)
+    _assert_same_model(ours, ref, calls)
 
     ours.save_pretrained(tmp_path / "resaved")
     before = load_file(tmp_path / "mxfp4" / "model.safetensors")
@@ -402,12 +398,7 @@ def test_fp8_checkpoint_loads_fp8_experts_on_a_host_without_cuda(
     ref = AutoModelForCausalLM.from_pretrained(
         tmp_path / "fp8", experts_implementation="eager", dtype=torch.float32
     ).eval()
-    calls = []
-
-    def counted(*args):
-        calls.append(args[1].shape)
-        return kernel.experts_forward(*args)
-
+    counted, calls = _counting(kernel.experts_forward)
     ALL_FP8_EXPERTS_FUNCTIONS.register("ragged_dot_tpu_fp8_loaded", counted)
     kernel.use_fp8_quantizer()
     ours = AutoModelForCausalLM.from_pretrained(
@@ -425,12 +416,6 @@ def test_fp8_checkpoint_loads_fp8_experts_on_a_host_without_cuda(
             experts.gate_up_proj, experts.gate_up_proj_scale_inv, block
         )
         er.down_proj.data = _dequantized(experts.down_proj, experts.down_proj_scale_inv, block)
-    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
-        assert len(calls) == 2  # one per layer
-        got = ours.generate(ids, max_new_tokens=2, do_sample=False)
-        want = ref.generate(ids, max_new_tokens=2, do_sample=False)
-    assert torch.equal(got, want)
+    _assert_same_model(ours, ref, calls)
     with pytest.raises(ValueError, match="does not quantize bf16 weights while loading"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=quant)

@@ -133,7 +133,7 @@ def test_quantized_weights_match_the_same_rounding_points(
     _, gu, dn, _, _ = _experts(layout, e, h, i, seed=seed)
     idx, w = _routing(t, k, e, seed=seed + 1)
     hid = _j(torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)), BF)
-    _, has_gate, is_transposed, is_conc, _, act = layout
+    is_transposed = layout[2]
     gu_q, gu_s = quantize(_j(gu), w_dtype, 2 if is_transposed else 1)
     dn_q, dn_s = quantize(_j(dn), w_dtype, 2 if is_transposed else 1)
     gu_s, dn_s = gu_s.astype(s_dtype), dn_s.astype(s_dtype)
@@ -144,11 +144,6 @@ def test_quantized_weights_match_the_same_rounding_points(
     kw = _kw(layout, num, group_offset=off, config=config)
     fn = lambda *a: moe_experts(*a, **kw)  # noqa: E731
     assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
-    out = fn(*args, *weights)
-    same = reference.moe_experts_reference(
-        *args, *weights[:4], num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0,
-        *weights[4:],
-    )  # fmt: skip
     deq = lambda q, s, axis: (
         q.astype(jnp.float32)
         * jnp.expand_dims(  # noqa: E731
@@ -156,17 +151,10 @@ def test_quantized_weights_match_the_same_rounding_points(
         )
     )
     axis = 2 if is_transposed else 1
-    mag = _down_terms(
-        *args,
-        deq(gu_q, gu_s, axis)[off:],
-        deq(dn_q, dn_s, axis)[off:],
-        num=num,
-        off=off,
-        has_gate=has_gate,
-        transposed=is_transposed,
-        act=act,
-    )
-    assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
+    _assert_the_programs(
+        fn(*args, *weights), args, weights, deq(gu_q, gu_s, axis), deq(dn_q, dn_s, axis),
+        layout=layout, num=num, off=off,
+    )  # fmt: skip
 
 
 @settings(max_examples=3, deadline=None)
@@ -205,23 +193,26 @@ def test_mxfp4_weights_decode_in_the_one_launch(t, has_gate, shard, e8m0, seed):
     weights = (gu_q[off:], dn_q[off:], None, None, gu_s[off:], dn_s[off:])
     fn = lambda *a: moe_experts(*a, **_kw(layout, num, group_offset=off))  # noqa: E731
     assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
-    out = fn(*args, *weights)
-    _, _, is_transposed, is_conc, _, act = layout
+    deq = lambda q, s_: mxfp4.dequantize(q, mxfp4.scale_bytes(s_))  # noqa: E731
+    _assert_the_programs(
+        fn(*args, *weights), args, weights, deq(gu_q, gu_s), deq(dn_q, dn_s),
+        layout=layout, num=num, off=off,
+    )  # fmt: skip
+
+
+def _assert_the_programs(out, args, weights, gu, dn, *, layout, num, off):
+    """The fused layer's `out` against the two-launch program's XLA reference on
+    the same (quantized) `weights`, per element within its rounding points;
+    gu, dn: every expert's weights dequantized in f32, for the bound."""
+    _, has_gate, is_transposed, is_conc, _, act = layout
     same = reference.moe_experts_reference(
         *args, *weights[:4], num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0,
         *weights[4:],
     )  # fmt: skip
-    deq = lambda q, s_: mxfp4.dequantize(q, mxfp4.scale_bytes(s_))  # noqa: E731
     mag = _down_terms(
-        *args,
-        deq(gu_q, gu_s)[off:],
-        deq(dn_q, dn_s)[off:],
-        num=num,
-        off=off,
-        has_gate=has_gate,
-        transposed=True,
-        act=act,
-    )
+        *args, gu[off:], dn[off:], num=num, off=off, has_gate=has_gate,
+        transposed=is_transposed, act=act,
+    )  # fmt: skip
     assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
 
 
