@@ -421,7 +421,10 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
         is_transposed=statics["is_transposed"],
         is_concatenated=statics["is_concatenated"],
         has_bias=gate_up_bias is not None or down_bias is not None,
-        block_scales=gate_up_scale is not None and gate_up_scale.ndim == 3,
+        # MXFP4's e8m0 scales are 3-D too; the weights' dtype names them.
+        block_scales=gate_up_scale is not None
+        and gate_up_scale.ndim == 3
+        and not mxfp4.is_mxfp4(gate_up.dtype),
         generation=config,
     )
 

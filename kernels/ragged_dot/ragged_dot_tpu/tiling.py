@@ -704,7 +704,7 @@ def fused_moe_config(
     gen = get_generation(generation)
     mx = mxfp4.is_mxfp4(w_dtype)
     quantized = is_quantized(w_dtype) or mx
-    if tokens < 1 or has_bias or (block_scales and not mx):
+    if tokens < 1 or has_bias or block_scales:
         return None
     if jnp.dtype(hidden_dtype) != bf16 or not (jnp.dtype(w_dtype) == bf16 or quantized):
         return None
