@@ -72,6 +72,8 @@ FA_API = "kernels/flash_attention/flash_attention_tpu/api.py"
 FA_SCHED = "kernels/flash_attention/flash_attention_tpu/schedule.py"
 FA_TILING = "kernels/flash_attention/flash_attention_tpu/tiling.py"
 FA_OPS = "kernels/flash_attention/flash_attention_tpu/ops.py"
+FA_DEC = "kernels/flash_attention/flash_attention_tpu/kernel_decode.py"
+FA_KV = "kernels/flash_attention/flash_attention_tpu/kvcache.py"
 TB = "torch_bindings"
 
 T_RMS = "tests/rmsnorm/test_kernel.py"
@@ -88,6 +90,7 @@ T_DEC = "tests/ragged_dot/test_moe_decode.py"
 T_EXP = "tests/ragged_dot/test_experts.py"
 T_FA = "tests/flash_attention/test_flash_attention.py"
 T_FA_OP = "tests/flash_attention/test_torch_op.py"
+T_KV = "tests/flash_attention/test_kvcache.py"
 T_TB = "tests/test_torch_bindings.py"
 T_AR = "tests/test_autograd_residuals.py"
 
@@ -748,6 +751,63 @@ MUTANTS: tuple[Mutant, ...] = (
         "q = xf * jnp.where(amax > 0, (qmax - 1) / amax, 0.0)",
         (f"{T_W8}::test_rows_quantize_to_their_largest_magnitude[int8]",),
         "w8a8: rows quantized to 126, not the dtype's largest value",
+    ),
+    # -- decode attention over a KV cache ----------------------------------------
+    Mutant(
+        "kv-resident-init",
+        FA_DEC,
+        "            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)\n",
+        "            pass\n",
+        (f"{T_KV}::test_kvcache_cases[short-kw5]",),
+        "decode: resident outputs of sequences with no work left unwritten",
+    ),
+    Mutant(
+        "kv-resident-lse-init",
+        FA_DEC,
+        "lse_ref[...] = jnp.full(lse_ref.shape, -jnp.inf, jnp.float32)",
+        "lse_ref[...] = jnp.full(lse_ref.shape, 0.0, jnp.float32)",
+        (f"{T_KV}::test_kvcache_cases[short-kw5]",),
+        "decode: a sequence with no work reads lse 0, not +inf",
+    ),
+    Mutant(
+        "kv-resident-q-rows",
+        FA_DEC,
+        "q = qbuf[b, pl.ds(hh * br, br)]",
+        "q = qbuf[b, pl.ds(0, br)]",
+        (f"{T_KV}::test_kvcache_cases[heads-major-mask-kw3]",),
+        "decode, [B, Hkv, S, D] cache: every kv head scored with the first head's queries",
+    ),
+    Mutant(
+        "kv-resident-out-row",
+        FA_DEC,
+        "o_ref[b] = o.reshape(hb * br, prm.head_dim_v)",
+        "o_ref[0] = o.reshape(hb * br, prm.head_dim_v)",
+        (f"{T_KV}::test_kvcache_cases[paged-window-kw2]",),
+        "decode: every sequence's output written to the first sequence's rows",
+    ),
+    Mutant(
+        "kv-direct-lse",
+        FA_KV,
+        "lse = jnp.where(lse[0, ..., 0] == -jnp.inf, jnp.inf, lse[0, ..., 0])",
+        "lse = lse[0, ..., 0]",
+        (f"{T_KV}::test_kvcache_cases[short-kw5]",),
+        "decode without a combine step: empty rows' lse -inf, not flash-attn's +inf",
+    ),
+    Mutant(
+        "kv-sched-offset",
+        FA_DEC,
+        "blk = g_live - off[0] - jnp.sum(",
+        "blk = g_live - jnp.sum(",
+        (f"{T_KV}::test_kvcache_cases[paged-window-kw2]",),
+        "decode schedule: the first sequence's window start dropped from its blocks",
+    ),
+    Mutant(
+        "kv-sched-window-steps",
+        FA_DEC,
+        "jnp.where(before, step, 0)",
+        "jnp.where(before, count, 0)",
+        (f"{T_KV}::test_schedule_walks_only_valid_blocks",),
+        "decode schedule: later sequences' blocks counted from 0, not their window start",
     ),
 )
 

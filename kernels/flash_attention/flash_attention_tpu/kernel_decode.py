@@ -82,7 +82,13 @@ class DecodeParams:
     slots: int = 4  # the DMA ring's items (slots - 1 in flight)
     heads_major: bool = False  # contiguous cache laid out [B, Hkv, S, D] (transformers')
     has_kv_mask: bool = False  # heads_major only: per-key keep mask [B, S] int32
-    q_resident: bool = False  # all sequences' q blocks stay in VMEM
+    # Every sequence's q, output (and lse) rows stay in VMEM, as [B, hb * br, ..]:
+    # q is copied once beside the first cache blocks, the outputs written back
+    # once at the end (needs block_rows == all rows).
+    resident: bool = False
+    direct: bool = False  # resident, one core, no sinks: o is final, no combine step
+    o_dtype: str = "float32"  # the output's: q's when direct
+    with_lse: bool = True
     cache_len: int = 0  # contiguous: positions per cache row
 
     @property
@@ -106,8 +112,12 @@ def _div(x, n: int):
 def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, prm: DecodeParams):
     refs = list(refs)
     mask_hbm = refs.pop(0) if prm.has_kv_mask else None
-    o_ref, lse_ref, kbuf, vbuf, sem, m_ref, l_ref, acc_ref = refs[:8]
-    mbuf = refs[8] if prm.has_kv_mask else None
+    o_ref = refs.pop(0)
+    lse_ref = refs.pop(0) if prm.with_lse else None
+    kbuf, vbuf, sem, m_ref, l_ref, acc_ref = (refs.pop(0) for _ in range(6))
+    mbuf = refs.pop(0) if prm.has_kv_mask else None
+    if prm.resident:  # q_ref is the HBM array; qbuf its VMEM copy
+        qbuf, qsem = refs
     n, hb, br, nslot = prm.pages_per_step, prm.heads_per_block, prm.block_rows, prm.slots
     c, h, qblk, t = (pl.program_id(i) for i in range(4))
 
@@ -163,8 +173,19 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, p
     # computed, so slots - 1 items (each a DMA latency long) stay in flight.
     @pl.when(t == 0)
     def _prologue():
+        if prm.resident:
+            rows_h = pl.ds(h * hb * br, hb * br)
+            q_copy = pltpu.make_async_copy(q_ref.at[:, rows_h], qbuf, qsem)
+            q_copy.start()
         for u in range(nslot - 1):
             start_item(u)
+        if prm.resident:
+            q_copy.wait()
+            # Sequences with no work are never visited: their rows read as
+            # empty (output 0, lse -inf).
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+            if prm.with_lse:
+                lse_ref[...] = jnp.full(lse_ref.shape, -jnp.inf, jnp.float32)
 
     start_item(t + nslot - 1)
     for run, cp in copies(t, lax.rem(t, nslot)):
@@ -223,7 +244,7 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, p
             if tail:  # rows past the length may hold NaN
                 vpos = first + v_pos
                 v = jnp.where(jnp.logical_and(vpos < length, vpos >= start), v, jnp.zeros_like(v))
-            q = (q_ref[b] if prm.q_resident else q_ref[...]).reshape(rows, prm.head_dim)
+            q = qbuf[b] if prm.resident else q_ref[...].reshape(rows, prm.head_dim)
             s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * prm.scale
             if prm.softcap is not None:
                 s = prm.softcap * jnp.tanh(s * (1.0 / prm.softcap))
@@ -271,7 +292,7 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, p
             v = vbuf[slot, p, hh]
             if vcol is not None:  # rows past the length may hold NaN
                 v = jnp.where(vcol, v, jnp.zeros_like(v))
-            q = q_ref[b, hh] if prm.q_resident else q_ref[hh]
+            q = qbuf[b, pl.ds(hh * br, br)] if prm.resident else q_ref[hh]
             s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * prm.scale
             if prm.softcap is not None:
                 s = prm.softcap * jnp.tanh(s * (1.0 / prm.softcap))
@@ -313,8 +334,16 @@ def _decode_kernel(lens_ref, sched_ref, table_ref, q_ref, k_hbm, v_hbm, *refs, p
     def _final():
         l = l_ref[...]
         empty = l == 0.0
-        o_ref[...] = acc_ref[...] / jnp.where(empty, 1.0, l)
-        lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(jnp.where(empty, 1.0, l)))
+        o = (acc_ref[...] / jnp.where(empty, 1.0, l)).astype(o_ref.dtype)
+        lse = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(jnp.where(empty, 1.0, l)))
+        if prm.resident:
+            o_ref[b] = o.reshape(hb * br, prm.head_dim_v)
+            if prm.with_lse:
+                lse_ref[b] = lse.reshape(hb * br, 1)
+        else:
+            o_ref[...] = o
+            if prm.with_lse:
+                lse_ref[...] = lse
 
 
 # ---------------------------------------------------------------------------
@@ -354,8 +383,16 @@ def schedule(prm: DecodeParams, lengths, max_blocks: int):
     core_end = jnp.minimum((core + 1) * per_core, total)
     live = g < core_end
     g_live = jnp.minimum(g, jnp.maximum(core_end - 1, 0))  # padding repeats the last item
-    seq = jnp.clip(jnp.searchsorted(end_cum, g_live, side="right"), 0, nseq - 1).astype(jnp.int32)
-    blk = first[seq] + g_live - start_cum[seq]
+    # Item g's sequence is the number of sequences that end at or before it,
+    # and its block g - off[seq] with off = start_cum - first. Both are one
+    # compare-and-sum over the sequences: gathers (searchsorted, first[seq])
+    # would each cost the TPU a round trip through SMEM. off[seq] telescopes:
+    # off[0] plus the steps off[j + 1] - off[j] of the sequences before it.
+    before = end_cum[None, None, :] <= g_live[..., None]
+    seq = jnp.minimum(jnp.sum(before, axis=-1, dtype=jnp.int32), nseq - 1)
+    off = start_cum - first
+    step = jnp.concatenate([off[1:] - off[:-1], jnp.zeros((1,), jnp.int32)])
+    blk = g_live - off[0] - jnp.sum(jnp.where(before, step, 0), axis=-1, dtype=jnp.int32)
     prev_seq = jnp.concatenate([jnp.full((cores, 1), -1, jnp.int32), seq[:, :-1]], axis=1)
     next_seq = jnp.concatenate([seq[:, 1:], jnp.full((cores, 1), -1, jnp.int32)], axis=1)
     last_live = g == core_end - 1
@@ -391,7 +428,8 @@ def safe_table(prm: DecodeParams, block_table, lengths):
 def decode_call(
     prm: DecodeParams, q4, k_cache, v_cache, lengths, sched, steps, table, interpret, kv_mask=None
 ):
-    """Partial outputs (o [cores, B, Hkv, R, Dv] f32, lse [cores, B, Hkv, R, 1] f32).
+    """Partial outputs (o [cores, B, Hkv, R, Dv] in prm.o_dtype, lse [cores, B,
+    Hkv, R, 1] f32 or None without prm.with_lse).
 
     q4 [B, Hkv, R, D]; caches contiguous [Bc, S, Hkv, D] (or [Bc, S, D] when
     squeezed) with `table` [B] the cache row of each sequence, or paged
@@ -416,23 +454,30 @@ def decode_call(
         b, _ = unpack(s, c, t)
         return (c, b, h, i, 0)
 
-    if prm.q_resident:  # every sequence's queries in VMEM: one DMA, none per sequence
-        q_spec = pl.BlockSpec((nseq, hb, br, d), lambda c, h, i, t, *_: (0, h, i, 0))
+    o_dtype = jnp.dtype(prm.o_dtype)
+    if prm.resident:  # every sequence's q and outputs in VMEM, (head, row) as one axis
+        flat = hb * br
+        q_spec = pl.BlockSpec(memory_space=pl.ANY)
+        q4 = q4.reshape(nseq, hkv * rows, d)
+        out_shape = [jax.ShapeDtypeStruct((cores, nseq, hkv * rows, prm.head_dim_v), o_dtype)]
+        out_specs = [
+            pl.BlockSpec((None, nseq, flat, prm.head_dim_v), lambda c, h, *_: (c, 0, h, 0))
+        ]
+        if prm.with_lse:
+            out_shape.append(jax.ShapeDtypeStruct((cores, nseq, hkv * rows, 1), jnp.float32))
+            out_specs.append(pl.BlockSpec((None, nseq, flat, 1), lambda c, h, *_: (c, 0, h, 0)))
     else:
         q_spec = pl.BlockSpec((None, hb, br, d), q_map)
+        out_shape = [jax.ShapeDtypeStruct((cores, nseq, hkv, rows, prm.head_dim_v), o_dtype)]
+        out_specs = [pl.BlockSpec((None, None, hb, br, prm.head_dim_v), out_map)]
+        if prm.with_lse:
+            out_shape.append(jax.ShapeDtypeStruct((cores, nseq, hkv, rows, 1), jnp.float32))
+            out_specs.append(pl.BlockSpec((None, None, hb, br, 1), out_map))
     in_specs = [
         q_spec,
         pl.BlockSpec(memory_space=pl.ANY),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
-    out_shape = (
-        jax.ShapeDtypeStruct((cores, nseq, hkv, rows, prm.head_dim_v), jnp.float32),
-        jax.ShapeDtypeStruct((cores, nseq, hkv, rows, 1), jnp.float32),
-    )
-    out_specs = (
-        pl.BlockSpec((None, None, hb, br, prm.head_dim_v), out_map),
-        pl.BlockSpec((None, None, hb, br, 1), out_map),
-    )
     if prm.squeezed:
         block = lambda dim: (prm.page, dim)  # noqa: E731
     elif prm.heads_major:
@@ -452,6 +497,8 @@ def decode_call(
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         scratch.append(pltpu.VMEM((nslot, n, 1, prm.page), jnp.int32))
         operands.append(kv_mask)
+    if prm.resident:
+        scratch += [pltpu.VMEM((nseq, hb * br, d), q4.dtype), pltpu.SemaphoreType.DMA(())]
     # Per the cache's capacity: the lengths are data, unknown when tracing.
     keys = prm.cache_len or table.shape[1] * prm.page
     q_rows = nseq * hkv * rows
@@ -462,14 +509,14 @@ def decode_call(
             k_cache.dtype.itemsize * (q4.size + nseq * hkv * keys * (prm.head_dim + prm.head_dim_v))
         ),
     )
-    return pl.pallas_call(
+    res = pl.pallas_call(
         functools.partial(_decode_kernel, prm=prm),
-        out_shape=out_shape,
+        out_shape=tuple(out_shape),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=grid,
             in_specs=in_specs,
-            out_specs=out_specs,
+            out_specs=tuple(out_specs),
             scratch_shapes=scratch,
         ),
         compiler_params=pltpu.CompilerParams(
@@ -481,6 +528,9 @@ def decode_call(
         interpret=interpret,
         name="flash_attention_decode",
     )(lengths, sched, table, *operands)
+    o = res[0].reshape(cores, nseq, hkv, rows, prm.head_dim_v)
+    lse = res[1].reshape(cores, nseq, hkv, rows, 1) if prm.with_lse else None
+    return o, lse
 
 
 def combine(o, lse, touched, sinks_rows):

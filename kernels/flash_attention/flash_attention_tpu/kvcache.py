@@ -50,10 +50,14 @@ def decode_params(
     softcap=None,
     softmax_scale=None,
     config=None,
+    sinks=False,
+    return_lse=False,
 ) -> DecodeParams:
     """The kernel's static parameters for a checked problem."""
     generation, block_sizes = _generation(config)
-    itemsize = jnp.dtype(jnp.float32 if dtype == jnp.float16 else dtype).itemsize
+    # No f16 vector path on every generation: f16 is computed and written in f32.
+    kdtype = jnp.dtype(jnp.float32 if dtype == jnp.float16 else dtype)
+    itemsize = kdtype.itemsize
     plan = tiling.decode_plan(
         generation=generation,
         batch=pb.batch,
@@ -66,6 +70,9 @@ def decode_params(
         page=pb.page,
         max_pages=pb.max_pages,
         block_sizes=block_sizes,
+        out_itemsize=itemsize,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     left, right = _band(causal, window_size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
@@ -87,7 +94,10 @@ def decode_params(
         squeezed=pb.num_kv_heads == 1,
         cores=plan.splits,
         slots=plan.slots,
-        q_resident=plan.q_resident,
+        resident=plan.resident,
+        direct=plan.direct,
+        o_dtype=kdtype.name if plan.direct else "float32",
+        with_lse=plan.with_lse,
         cache_len=pb.cache_len if pb.page is None else 0,
         vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
     )
@@ -148,6 +158,8 @@ def flash_attention_kvcache(
         softcap=softcap,
         softmax_scale=softmax_scale,
         config=config,
+        sinks=sinks is not None,
+        return_lse=return_lse,
     )
     if cache_layout == "bhsd":  # heads lead: one head's keys are whole tiles, any Hkv
         prm = dataclasses.replace(
@@ -188,11 +200,16 @@ def flash_attention_kvcache(
     o, lse = kernel_decode.decode_call(
         prm, q4, k_cache, v_cache, lengths, sched, steps, table, interpret, kv_mask
     )
-    sinks_rows = None
-    if sinks is not None:
-        s = sinks.astype(jnp.float32).reshape(hkv, 1, grp)
-        sinks_rows = jnp.broadcast_to(s, (hkv, sq, grp)).reshape(hkv, rows)
-    out, lse = kernel_decode.combine(o, lse, touched, sinks_rows)
+    if prm.direct:  # one partial, already normalized: no combine step
+        out = o[0]
+        if return_lse:  # empty rows: flash-attn's +inf
+            lse = jnp.where(lse[0, ..., 0] == -jnp.inf, jnp.inf, lse[0, ..., 0])
+    else:
+        sinks_rows = None
+        if sinks is not None:
+            s = sinks.astype(jnp.float32).reshape(hkv, 1, grp)
+            sinks_rows = jnp.broadcast_to(s, (hkv, sq, grp)).reshape(hkv, rows)
+        out, lse = kernel_decode.combine(o, lse, touched, sinks_rows)
     out = out.reshape(b, hkv, sq, grp, -1).transpose(0, 2, 1, 3, 4).reshape(b, sq, hq, -1)
     out = out.astype(out_dtype)
     if not return_lse:

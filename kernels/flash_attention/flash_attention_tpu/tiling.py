@@ -395,10 +395,14 @@ DECODE_TARGET_BYTES = {"v5e": 1 * MiB, "v6e": 1 * MiB, "tpu7x": 2 * MiB}
 # Items in the kernel's DMA ring: 3 in flight hide a 1.35 us DMA latency
 # behind ~2 MiB steps (K and V; bench's model moves 1 MiB in ~0.7 us on v6e).
 DECODE_SLOTS = 4
-# Up to this size every sequence's queries are one resident VMEM block: a q
-# block fetched per sequence exposes a DMA latency at each sequence change
-# (v6e, 64 x 1k tokens, 32/8 heads: 1.49x -> see the issue 13 note).
-DECODE_Q_RESIDENT_BYTES = 4 * MiB
+# Up to this size every sequence's queries and outputs stay in VMEM for the
+# whole call: q is copied once, beside the first cache blocks, and the outputs
+# are written back once at the end. Per-sequence q and output blocks expose a
+# DMA latency at each sequence change: the pipeline's output writeback queues
+# behind the cache copies in flight and the next sequence waits for it (v6e,
+# 8 x 1k tokens, 32/8 heads: 2.8 us of every 4.4 us sequence; see the issue 13
+# note).
+DECODE_RESIDENT_BYTES = 16 * MiB
 DECODE_MAX_BLOCK_KV = 4096
 DECODE_MIN_BLOCK_KV = 128
 DECODE_MAX_PAGES_PER_STEP = 16
@@ -438,7 +442,9 @@ class DecodePlan:
     pages_per_step: int
     splits: int
     slots: int
-    q_resident: bool
+    resident: bool  # q and outputs of every sequence stay in VMEM
+    direct: bool  # resident on one core, no sinks: no combine step, output in q's dtype
+    with_lse: bool  # the kernel writes logsumexps (the combine step or the caller needs them)
     vmem_need: int
 
 
@@ -459,10 +465,14 @@ def decode_plan(
     page: int | None,
     max_pages: int,
     block_sizes: DecodeBlockSizes | None = None,
+    out_itemsize: int = 4,
+    sinks: bool = False,
+    return_lse: bool = False,
 ) -> DecodePlan:
     """Blocks of one decode call. rows = q_len * group; page None: contiguous
     cache of cache_len positions; else pages of `page` positions, max_pages
-    of them per sequence."""
+    of them per sequence. out_itemsize: the output dtype's (4 when it must be
+    computed in f32)."""
     bs = block_sizes or DecodeBlockSizes()
     hkv = num_kv_heads
     hb = bs.heads_per_block or (8 if hkv > 8 and hkv % 8 == 0 else hkv)
@@ -495,10 +505,28 @@ def decode_plan(
     q_io = 2 * hb * br * d_lanes * itemsize + 2 * hb * br * (_lanes(head_dim_v) + LANES) * 4
     scratch = hb * br * (_lanes(head_dim_v) + 2 * LANES) * 4
     temps = br * _round_up(per, LANES) * 4 * 4 + 2 * per * d_lanes * 4  # s, p, mask; k, v
-    q_all = batch * hb * _round_up(br, 16) * d_lanes * itemsize
-    q_resident = q_all <= DECODE_Q_RESIDENT_BYTES and br == rows
-    if q_resident:
-        q_io += 2 * q_all
     need = buffers + q_io + scratch + temps
+    # Resident blocks hold (head, row) pairs as one sublane axis: [B, hb * br, D].
+    direct = splits == 1 and not sinks
+    o_item = out_itemsize if direct else 4
+    with_lse = return_lse or not direct
+    flat = hb * br
+    resident_bytes = (
+        batch * _round_up(flat, 32 // itemsize) * d_lanes * itemsize
+        + 2 * batch * _round_up(flat, 32 // o_item) * _lanes(head_dim_v) * o_item
+        + (2 * batch * _round_up(flat, 8) * LANES * 4 if with_lse else 0)
+    )
+    resident = (
+        br == rows
+        and resident_bytes <= DECODE_RESIDENT_BYTES
+        and need - q_io + resident_bytes <= VMEM_BUDGET_BYTES[generation]
+    )
+    if resident:
+        need += resident_bytes - q_io
+    direct = direct and resident
+    with_lse = return_lse or not direct
     check_vmem("decode", need, generation)
+    return DecodePlan(
+        hb, br, per, pages_per_step, splits, DECODE_SLOTS, resident, direct, with_lse, need
+    )
     return DecodePlan(hb, br, per, pages_per_step, splits, DECODE_SLOTS, q_resident, need)
