@@ -529,4 +529,3 @@ def decode_plan(
     return DecodePlan(
         hb, br, per, pages_per_step, splits, DECODE_SLOTS, resident, direct, with_lse, need
     )
-    return DecodePlan(hb, br, per, pages_per_step, splits, DECODE_SLOTS, q_resident, need)
