@@ -822,6 +822,41 @@ def _jax_paged_attention(point, generation, ctx) -> Built:
     return Built(fn, ("jax_paged_attention", ppcb), notes=(note,), adapt_args=adapt)
 
 
+def _tpu_inference_rpa(point, generation, ctx) -> Built:
+    rpa = _import("bench.baselines.rpa")
+    try:
+        kernel = rpa.load()
+    except Exception as e:  # noqa: BLE001 - any load failure is a skip
+        raise Skip(f"tpu-inference's ragged paged attention: {type(e).__name__}: {e}") from None
+
+    def adapt(q, k, v, lengths, table):
+        new = rpa.new_token(q, k)  # inputs of the program, as in vLLM's step
+        return q, new, new, rpa.merge(kernel, k, v), lengths, table
+
+    def fn(q, k_new, v_new, kv, lengths, table):
+        return rpa.decode(
+            kernel,
+            q,
+            k_new,
+            v_new,
+            kv,
+            lengths,
+            table,
+            generation=generation,
+            scale=point.head_dim**-0.5,
+        )
+
+    # The kernel's second output aliases the cache (it updates it in place):
+    # vLLM's step donates the cache and gets it back; undonated, XLA would copy
+    # the whole cache first.
+    fn.donate_argnums = (3,)
+    note = (
+        "its merged cache layout [pages, page, 2 Hkv / 2, 2, D]; its default decode blocks; "
+        "the cache donated, as vLLM's step does"
+    )
+    return Built(fn, ("tpu_inference_rpa", generation), notes=(note,), adapt_args=adapt)
+
+
 def _xla_decode_attention(point, generation, ctx) -> Built:
     def fn(q, k, v, lengths, table):
         b, hq, d = q.shape
@@ -872,6 +907,14 @@ register(
         "decode_attention",
         "jax.experimental.pallas.ops.tpu.paged_attention (its layout, ~1k-position blocks)",
         _jax_paged_attention,
+    )
+)
+register(
+    Impl(
+        "tpu_inference_rpa",
+        "decode_attention",
+        "tpu-inference 0.32.0 ragged_paged_attention v3 (vLLM's TPU decode kernel), its layout",
+        _tpu_inference_rpa,
     )
 )
 register(

@@ -166,6 +166,8 @@ def compile_tagged(compile_fn, fn, fusions: bool = False):
         return fn(*a)
 
     program.__name__ = tag
+    # arguments the caller donates (a kernel that updates its input in place)
+    program.donate_argnums = getattr(fn, "donate_argnums", ())
     try:
         result = compile_fn(program)
     except Exception:

@@ -51,14 +51,16 @@ def tpu_compile(
     generation: str,
     static_kwargs: dict | None = None,
 ):
-    """Compiles fn(*args, **static_kwargs) for `generation`; returns the executable."""
+    """Compiles fn(*args, **static_kwargs) for `generation`; returns the executable.
+    fn.donate_argnums, where set, are donated (as its caller's jit donates them)."""
     dev = topology_device(generation)
     sharding = jax.sharding.SingleDeviceSharding(dev)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     f = functools.partial(fn, **(static_kwargs or {}))
     for attempt in range(_RETRIES):
         try:
-            return jax.jit(f).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
+            jitted = jax.jit(f, donate_argnums=getattr(fn, "donate_argnums", ()))
+            return jitted.trace(*placed).lower(lowering_platforms=("tpu",)).compile()
         except Exception as e:  # noqa: BLE001 - the compiler raises many types
             if _TRANSIENT not in str(e) or attempt + 1 == _RETRIES:
                 raise

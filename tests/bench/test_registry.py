@@ -200,3 +200,29 @@ def test_decode_attention_impls_match_reference(impl):
     )
     _, out = _run(impl, point)
     _close(out, decode_reference(*point.real_args()))
+
+
+def test_tpu_inference_rpa_arguments_give_the_reference_attention():
+    """tpu-inference's kernel runs here only compiled (jax 0.10.2's TPU
+    interpret mode cannot run it: a reshaped ref). The arguments the bench
+    builds for it (merged cache layout, lengths, page table, query offsets,
+    scale) go through tpu-inference's own reference, which takes the same ones
+    and writes the new token into the cache first: given each sequence's last
+    cached K/V as the new token, it must give our reference's attention."""
+    from bench.baselines import rpa
+
+    kernel = rpa.load()
+    point = points.DecodeAttentionPoint(
+        batch=2, context=200, capacity=384, q_heads=4, kv_heads=2, head_dim=128, page=128
+    )
+    q, k, v, lengths, table = point.real_args()
+    last = lengths - 1
+    pages = table[jnp.arange(point.batch), last // point.page]
+    k_new, v_new = k[pages, last % point.page], v[pages, last % point.page]
+    args, kwargs = rpa.call_args(
+        q, k_new, v_new, rpa.merge(kernel, k, v), lengths, table, scale=point.head_dim**-0.5
+    )
+    # the reference slices with Python ints: its integer arguments as numpy
+    args = [np.asarray(a) if a.dtype == jnp.int32 else a for a in args]
+    out, _ = kernel.ref_ragged_paged_attention(*args, **kwargs)
+    _close(out, decode_reference(q, k, v, lengths, table))
