@@ -779,6 +779,18 @@ def _ours_decode_heads_major(point, generation, ctx) -> Built:
     decode route), no mask."""
     kv = _import("flash_attention_tpu.kvcache")
 
+    def fn(q, k, v, lengths):
+        out = kv.flash_attention_kvcache(
+            q[:, None], k, v, lengths, cache_layout="bhsd", config=generation
+        )
+        return out[:, 0]
+
+    return Built(fn, ("ours_decode_heads_major", generation), adapt_args=_heads_major_view(point))
+
+
+def _heads_major_view(point):
+    """adapt_args: the point's paged cache as transformers' [B, Hkv, S, D]."""
+
     def adapt(q, k, v, lengths, table):
         b = point.batch
         if isinstance(k, jax.ShapeDtypeStruct):
@@ -788,13 +800,7 @@ def _ours_decode_heads_major(point, generation, ctx) -> Built:
         to = lambda x: x.reshape(b, -1, *x.shape[2:]).transpose(0, 2, 1, 3)  # noqa: E731
         return q, to(k), to(v), lengths
 
-    def fn(q, k, v, lengths):
-        out = kv.flash_attention_kvcache(
-            q[:, None], k, v, lengths, cache_layout="bhsd", config=generation
-        )
-        return out[:, 0]
-
-    return Built(fn, ("ours_decode_heads_major", generation), adapt_args=adapt)
+    return adapt
 
 
 def _jax_paged_attention(point, generation, ctx) -> Built:
@@ -820,6 +826,23 @@ def _jax_paged_attention(point, generation, ctx) -> Built:
 
     note = f"its own cache layout [Hkv, pages, page, D]; pages_per_compute_block={ppcb}"
     return Built(fn, ("jax_paged_attention", ppcb), notes=(note,), adapt_args=adapt)
+
+
+def _torch_tpu_splash_decode(point, generation, ctx) -> Built:
+    """torch_tpu's splash_sdpa as a decode user would call it: q [B, Hq, 1, D]
+    against the whole cache [B, Hkv, S, D] (every cache full in the sweep:
+    splash takes no per-sequence lengths), not causal."""
+    sp = _import("bench.baselines.splash")
+    _import("torch_tpu._internal.ops.splash_attention")
+
+    def fn(q, k, v, lengths):
+        return sp.torch_tpu_splash(q[:, :, None], k, v, causal=False)[:, :, 0]
+
+    notes = (
+        f"torch_tpu {sp.torch_tpu_version()} splash_sdpa(q, k, v, is_causal=False, enable_gqa): "
+        "q of one position against the whole cache",
+    )
+    return Built(fn, ("torch_tpu_splash_decode",), notes=notes, adapt_args=_heads_major_view(point))
 
 
 def _tpu_inference_rpa(point, generation, ctx) -> Built:
@@ -907,6 +930,14 @@ register(
         "decode_attention",
         "jax.experimental.pallas.ops.tpu.paged_attention (its layout, ~1k-position blocks)",
         _jax_paged_attention,
+    )
+)
+register(
+    Impl(
+        "torch_tpu_splash_decode",
+        "decode_attention",
+        "torch_tpu 0.2.0 splash_sdpa, q of one position against the cache [B, Hkv, S, D]",
+        _torch_tpu_splash_decode,
     )
 )
 register(

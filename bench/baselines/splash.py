@@ -80,7 +80,7 @@ def torch_tpu_version() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_tpu_fn(seq: int, q_heads: int, kv_heads: int, interpret: bool):
+def _torch_tpu_fn(seq: int, q_heads: int, kv_heads: int, interpret: bool, causal: bool = True):
     from torch_tpu._internal.ops import splash_attention as ts
 
     sk = ts.splash_attention_kernel
@@ -97,7 +97,7 @@ def _torch_tpu_fn(seq: int, q_heads: int, kv_heads: int, interpret: bool):
                 n_heads=q_heads,
                 n_kv_heads=kv_heads,
                 scale=None,
-                is_causal=True,
+                is_causal=causal,
                 local_window_size=None,
             )
     finally:
@@ -105,9 +105,11 @@ def _torch_tpu_fn(seq: int, q_heads: int, kv_heads: int, interpret: bool):
     return fwd
 
 
-def torch_tpu_splash(q, k, v):
-    """What `torch.tpu.splash_sdpa(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)`
-    runs on the TPU, [B, H, S, D] in and out."""
+def torch_tpu_splash(q, k, v, causal: bool = True):
+    """What `torch.tpu.splash_sdpa(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)`
+    runs on the TPU, [B, H, S, D] in and out. Like splash_sdpa, it builds the
+    kernel for q's length (`seq_len=q.shape[2]`), so K/V longer than q (decode)
+    get blocks of q's length."""
     _, hq, s, _ = q.shape
     hkv = k.shape[1]
     if hkv == 1:  # MQA: the kernel takes squeezed K/V
@@ -116,5 +118,5 @@ def torch_tpu_splash(q, k, v):
         k = jnp.repeat(k, hq // hkv, axis=1)
         v = jnp.repeat(v, hq // hkv, axis=1)
         hkv = hq
-    out, _lse = _torch_tpu_fn(s, hq, hkv, INTERPRET)(q, k, v)
+    out, _lse = _torch_tpu_fn(s, hq, hkv, INTERPRET, causal)(q, k, v)
     return out.astype(q.dtype)

@@ -226,3 +226,16 @@ def test_tpu_inference_rpa_arguments_give_the_reference_attention():
     args = [np.asarray(a) if a.dtype == jnp.int32 else a for a in args]
     out, _ = kernel.ref_ragged_paged_attention(*args, **kwargs)
     _close(out, decode_reference(q, k, v, lengths, table))
+
+
+def test_torch_tpu_splash_cannot_decode():
+    """torch_tpu's splash_sdpa builds its kernel for q's length: one decode
+    position against a 256-position cache gets 1-position kv blocks, which
+    splash rejects (the decode sweep records this peer as failing, not as
+    missing). If torch_tpu learns to decode, this fails and the peer's figures
+    belong in the table."""
+    point = points.DecodeAttentionPoint(batch=1, context=256, q_heads=4, kv_heads=2, page=128)
+    built = registry.REGISTRY["torch_tpu_splash_decode"].build(point, "v6e", None)
+    args = registry.program_args(built, point.compile_args())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        jax.eval_shape(built.fn, *args)
