@@ -392,6 +392,14 @@ def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
 # VALU-bound there, 64 x 4k 1.56 -> 1.43.
 
 DECODE_TARGET_BYTES = {"v5e": 1 * MiB, "v6e": 1 * MiB, "tpu7x": 2 * MiB}
+# A paged step also pays per page (its table entry, a K and a V copy, the
+# whole/tail branch): on tpu7x, where a step's compute nearly equals its
+# copies, twice the pages per step amortize that in calls of 64 default steps
+# or more (the cache's capacity; 32/8 heads, d=128: 64 x 4k 370 -> 354 us,
+# 256 x 16k 5,658 -> 5,390, 8 x 16k 188 -> 181). Smaller calls wait longer for
+# their first, bigger step (8 x 4k 55.0 -> 55.7, 1 x 4k 13.1 -> 13.8), and the
+# contiguous layouts got no faster (64 x 4k 343 -> 344).
+DECODE_PAGED_TARGET_BYTES = {**DECODE_TARGET_BYTES, "tpu7x": 4 * MiB}
 # Items in the kernel's DMA ring: 3 in flight hide a 1.35 us DMA latency
 # behind ~2 MiB steps (K and V; bench's model moves 1 MiB in ~0.7 us on v6e).
 DECODE_SLOTS = 4
@@ -484,13 +492,14 @@ def decode_plan(
     cap = max(8, (DECODE_MAX_ROWS // hb) // 8 * 8)
     br = min(bs.block_rows or cap, rows)  # rows itself, or a multiple of 8
     d_lanes = _lanes(head_dim)
-    want = bs.block_kv or min(
-        DECODE_MAX_BLOCK_KV,
-        max(
-            DECODE_MIN_BLOCK_KV,
-            _pow2_floor(DECODE_TARGET_BYTES[generation] // (hb * d_lanes * itemsize)),
-        ),
-    )
+
+    def positions(target: int) -> int:
+        per = _pow2_floor(target // (hb * d_lanes * itemsize))
+        return min(DECODE_MAX_BLOCK_KV, max(DECODE_MIN_BLOCK_KV, per))
+
+    want = bs.block_kv or positions(DECODE_TARGET_BYTES[generation])
+    if not bs.block_kv and page is not None and batch * max_pages * page >= 64 * want:
+        want = positions(DECODE_PAGED_TARGET_BYTES[generation])
     if page is None:
         bkv = cache_len if want >= cache_len else want
         if hkv == 1 and bkv != cache_len and bkv % 16:
