@@ -515,15 +515,16 @@ def decode_plan(
     scratch = hb * br * (_lanes(head_dim_v) + 2 * LANES) * 4
     temps = br * _round_up(per, LANES) * 4 * 4 + 2 * per * d_lanes * 4  # s, p, mask; k, v
     need = buffers + q_io + scratch + temps
-    # Resident blocks hold (head, row) pairs as one sublane axis: [B, hb * br, D].
-    direct = splits == 1 and not sinks
-    o_item = out_itemsize if direct else 4
-    with_lse = return_lse or not direct
+    # Resident blocks hold (head, row) pairs as one sublane axis: [B, hb * br, D],
+    # sized as they would be kept: with one partial (one core, no sinks) there is
+    # no combine step, so the output is in q's dtype and the lse only if asked.
+    one_partial = splits == 1 and not sinks
+    o_item = out_itemsize if one_partial else 4
     flat = hb * br
     resident_bytes = (
         batch * _round_up(flat, 32 // itemsize) * d_lanes * itemsize
         + 2 * batch * _round_up(flat, 32 // o_item) * _lanes(head_dim_v) * o_item
-        + (2 * batch * _round_up(flat, 8) * LANES * 4 if with_lse else 0)
+        + (2 * batch * _round_up(flat, 8) * LANES * 4 if return_lse or not one_partial else 0)
     )
     resident = (
         br == rows
@@ -532,7 +533,7 @@ def decode_plan(
     )
     if resident:
         need += resident_bytes - q_io
-    direct = direct and resident
+    direct = one_partial and resident
     with_lse = return_lse or not direct
     check_vmem("decode", need, generation)
     return DecodePlan(
