@@ -351,6 +351,7 @@ class OpLibrary:
         reference: Callable,
         differentiable: tuple[str, ...],
         check: Callable | None = None,
+        primal: Callable | None = None,
     ) -> DifferentiableOp:
         """`name` differentiable in the tensor arguments `differentiable`: ops
         `name` (plain), `name_fwd` (with residuals) and `name_backward`.
@@ -360,9 +361,11 @@ class OpLibrary:
         backward(args, outputs, residuals, cotangents, *, interpret) -> one
         gradient (or None) per name in `differentiable`. reference(*args) ->
         outputs: the XLA reference; its backward is jax.vjp of it.
+        primal(*args, interpret) -> outputs, optional: the plain op's kernel
+        (no residuals to keep, so it may fuse what forward must write; see vjp.py).
         """
         return _define_differentiable(
-            self, name, schema, forward, backward, reference, differentiable, check
+            self, name, schema, forward, backward, reference, differentiable, check, primal
         )
 
 
@@ -384,7 +387,7 @@ def _no_gradient(a) -> bool:
 
 
 def _define_differentiable(
-    lib: OpLibrary, name, schema, forward, backward, reference, differentiable, check
+    lib: OpLibrary, name, schema, forward, backward, reference, differentiable, check, primal=None
 ) -> DifferentiableOp:
     head, rets = schema.rsplit("->", 1)
     args_sig = head.strip()[1:-1]
@@ -392,10 +395,12 @@ def _define_differentiable(
     out_types = [r.strip() for r in rets[1:-1].split(",")] if rets.startswith("(") else [rets]
     n_out = len(out_types)
 
+    if primal is None:
+        primal = lambda *a, interpret: forward(*a, interpret=interpret)[0]  # noqa: E731
     plain = lib.define(
         name,
         schema,
-        kernel=lambda *a, interpret: forward(*a, interpret=interpret)[0],
+        kernel=primal,
         reference=reference,
         check=check,
     )

@@ -17,6 +17,13 @@ makes the same two a torch op whose forward op returns the residuals and whose
 backward op runs `backward` on what autograd saved. Neither runs the forward
 again during the backward.
 
+Both take an optional `primal(*arrays, **statics) -> outputs`: what runs when
+no gradient is asked for (JAX outside a vjp; the plain torch op, e.g. under
+no_grad). A kernel fuses there what the backward would otherwise need saved
+(the MoE layer's activation in its gate/up matmul: the backward needs the
+projection, which the fused kernel never writes). It must compute the same
+function as forward's outputs.
+
 `split_vjp(fn, diff)` derives such a pair from any differentiable JAX function
 (a composite such as the MoE layer, whose kernels carry their own custom_vjps):
 the residuals are those of `jax.vjp`, less the ones that are inputs or outputs.
@@ -30,13 +37,18 @@ import functools
 from typing import Any, Callable
 
 
-def differentiable(forward: Callable, backward: Callable) -> Callable:
+def differentiable(
+    forward: Callable, backward: Callable, primal: Callable | None = None
+) -> Callable:
     """f(*arrays, **statics) -> outputs, differentiable in the arrays through
-    `forward` / `backward` (statics must be hashable)."""
+    `forward` / `backward` (statics must be hashable); `primal` (default:
+    forward's outputs) when not differentiated."""
     import jax
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def core(statics, *arrays):
+        if primal is not None:
+            return primal(*arrays, **dict(statics))
         return forward(*arrays, **dict(statics))[0]
 
     def fwd(statics, *arrays):

@@ -168,6 +168,8 @@ def gate_program(point) -> GateProgram:
         return _mxfp4_program(point[1:])
     if point[0] == "mxfp4_moe_layer":
         return _mxfp4_layer_program(point[1:])
+    if point[0] == "glu":
+        return _glu_program(point[1:])
     model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
@@ -302,6 +304,28 @@ W8A8_POINTS = [
     ("quantized", "gpt_oss_20b", "gate_up", 64, "w8a8", wdt, gen)
     for wdt, gen in [("int8", "v6e"), ("float8_e4m3fn", "tpu7x")]
 ]
+
+
+# gmm with the activation in its epilogue (inference's gate/up projection):
+# Qwen3 (I = 768, one slab per expert), Gemma 4 (I = 704: a 192-column tail
+# piece, the up half on a sublane tile of the [2I, H] weights), Mixtral
+# (I = 14336: slabs of gate and up blocks), torch's [E, 2I, H] layout.
+GLU_POINTS = [
+    ("glu", model, tokens, gen)
+    for model, tokens, gen in itertools.product(
+        ["qwen3_30b_a3b", "gemma4_26b_a4b", "mixtral_8x7b"], [512, 8192], ["v5e", "v6e", "tpu7x"]
+    )
+]
+
+
+def _glu_program(point) -> GateProgram:
+    model, tokens, generation = point
+    e, top_k, h, i = MODELS[model]
+    fn = functools.partial(
+        gmm, transpose_rhs=True, glu=("gelu_pytorch_tanh", 1.702, 7.0), config=generation
+    )
+    args = [spec((tokens * top_k, h)), spec((e, 2 * i, h)), spec((e,), jnp.int32)]
+    return GateProgram(fn, args, generation)
 
 
 # lhs and rhs of different dtypes (the MXU runs in rhs's: f32 rows cast to bf16
@@ -537,6 +561,11 @@ def test_mxfp4_gmm_compiles(point, pool):
     ids=_id,
 )
 def test_mxfp4_moe_layer_fwd_and_grad_compile(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", GLU_POINTS, ids=_id)
+def test_glu_gmm_compiles(point, pool):
     pool.assert_ok(__file__, point)
 
 

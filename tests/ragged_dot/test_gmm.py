@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from ragged_dot_tpu import checks, tiling
+from ragged_dot_tpu import checks, moe, tiling
 from ragged_dot_tpu.kernel_gmm import gmm, gmm_dma_schedule
 from ragged_dot_tpu.api import ragged_dot
 from ragged_dot_tpu.reference import ragged_dot_reference, tgmm_reference
@@ -525,3 +525,93 @@ def test_group_sizes_of_other_integer_types_are_read_as_int32(dtype):
     out = ragged_dot(lhs, rhs, jnp.asarray(sizes, dtype), interpret=True)
     _check_rd(out, lhs, rhs, jnp.asarray(sizes, jnp.int32))
     assert np.all(np.asarray(out[20:], np.float32) == 0)
+
+
+# -- gmm(glu=...): act(gate) * up in the epilogue ---------------------------------
+
+GLU_ACTIVATIONS = ["silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2", "gpt_oss"]
+
+
+def _glu_fn(act):
+    return functools.partial(moe.glu, activation=act, alpha=1.702, limit=7.0)
+
+
+def _check_glu(out, lhs, w_kn, gs, act, i):
+    """out = act(gate) * up against the f32 reference products. The kernel
+    rounds each product to out's dtype once before the activation: that
+    rounding's error (u times the product's magnitude) reaches the result
+    through the activation's derivatives, |dh/dg| mag_g + |dh/du| mag_u."""
+    ref = ragged_dot_reference(_f32(lhs), _f32(w_kn), gs)
+    mag = ragged_dot_reference(_abs32(lhs), _abs32(w_kn), gs)
+    f = _glu_fn(act)
+    g, u = ref[:, :i], ref[:, i:]
+    want = f(g, u)
+    _, via_g = jax.jvp(f, (g, u), (mag[:, :i], jnp.zeros_like(u)))
+    _, via_u = jax.jvp(f, (g, u), (jnp.zeros_like(g), mag[:, i:]))
+    spread = jnp.abs(via_g) + jnp.abs(via_u)
+    return assert_close(out, want, magnitude=spread, roundings=1, what=f"glu {act}")
+
+
+@st.composite
+def glu_problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    transpose = draw(st.booleans())
+    sub = tiling.sublane(dtype)
+    # Halves on the slab's tile boundary: lanes ([K, 2I]) or sublanes ([2I, K],
+    # where 176 = 128 + 48 also leaves a tail piece).
+    i = draw(
+        st.sampled_from([128, 256, 384] + ([176, 48 if sub == 16 else 40] if transpose else []))
+    )
+    m = draw(st.sampled_from([5, 24, 37, 100]))
+    k = draw(st.sampled_from([40, 128]))
+    g = draw(st.integers(1, 4))
+    sizes = _sizes(draw, m, g)
+    act = draw(st.sampled_from(GLU_ACTIVATIONS))
+    cfg = None
+    if draw(st.booleans()):
+        bm, chunk = _blocks(draw, m, dtype)
+        cfg = tiling.GmmConfig(bm, _slab(draw, i), chunk, weight_buffers=draw(st.integers(2, 4)))
+    return dtype, transpose, m, k, i, sizes, act, cfg, draw(st.integers(0, 2**16))
+
+
+# Several row tiles, 128-column blocks of a 384-column half (three slabs, each
+# carrying a gate and an up block), a short sum; and a transposed slab with a
+# 48-row tail piece.
+@example(
+    (jnp.bfloat16, False, 100, 40, 384, [30, 0, 7, 12], "silu", tiling.GmmConfig(16, 128, 16), 1)
+)
+@example((jnp.float32, True, 37, 128, 176, [20, 17], "gpt_oss", None, 2))
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(glu_problems())
+def test_gmm_glu_epilogue_matches_reference(problem):
+    dtype, transpose, m, k, i, sizes, act, cfg, seed = problem
+    rng = np.random.default_rng(seed)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs = _rand(rng, (m, k), dtype)
+    w_kn = jnp.asarray(rng.standard_normal((len(sizes), k, 2 * i)) / np.sqrt(k), dtype)
+    rhs = jnp.swapaxes(w_kn, 1, 2) if transpose else w_kn
+    out = gmm(
+        lhs, rhs, gs, transpose_rhs=transpose, glu=(act, 1.702, 7.0), config=cfg, interpret=True
+    )
+    assert out.dtype == dtype and out.shape == (m, i)
+    _check_glu(out, lhs, w_kn, gs, act, i)
+    assert not np.asarray(out[sum(sizes) :], np.float32).any()
+
+
+def test_gmm_glu_refuses_what_it_cannot_fuse():
+    lhs = jnp.zeros((8, 128), jnp.bfloat16)
+    gs = jnp.asarray([8], jnp.int32)
+    glu = ("silu", 1.702, 7.0)
+    # [K, 2I] with I = 40: the up half would start inside a lane tile.
+    with pytest.raises(ValueError, match="glu needs"):
+        gmm(lhs, jnp.zeros((1, 128, 80), jnp.bfloat16), gs, glu=glu)
+    # Quantized weights keep the unfused path.
+    with pytest.raises(ValueError, match="glu needs"):
+        gmm(
+            lhs,
+            jnp.zeros((1, 128, 256), jnp.int8),
+            gs,
+            rhs_scale=jnp.ones((1, 256), jnp.float32),
+            scale_axis="n",
+            glu=glu,
+        )

@@ -235,3 +235,62 @@ def test_reference_matches_transformers_and_kernel():
         7.0,
     )
     np.testing.assert_allclose(np.asarray(out), ref, **tolerance(jnp.float32, h))
+
+
+def _pallas_widths(closed):
+    """(rows, columns) of every pallas_call output in a jaxpr, sub-jaxprs included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(tuple(v.aval.shape) for v in eqn.outvars)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=["qwen_mixtral", "gemma_like"])
+def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
+    """Without a gradient the gate/up gmm writes act(gate) * up ([S, I]); with
+    one it writes the projection ([S, 2I]) the backward needs. Both match
+    transformers' layer with the bf16 test's bound (300 tokens: two launches,
+    past the one-launch decode kernel's limit)."""
+    e, h, i, t, k = 8, 384, 128, 300, 2  # h apart from i and 2i: the launches tell apart
+    self, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=11, dtype=torch.bfloat16)
+    idx, w = _routing(t, k, e, seed=12)
+    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(13)).bfloat16()
+    w16 = w.bfloat16()
+    ref_self, *_ = _experts(layout, e, h, i, seed=11, dtype=torch.bfloat16)
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(ref_self, name, getattr(ref_self, name).float())
+    ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w16.float()).numpy()
+    bf = jnp.bfloat16
+    args = (_j(hid, bf), _j(idx).astype(jnp.int32), _j(w16, bf), _j(gu, bf), _j(dn, bf))
+    f = lambda x, *rest: moe_experts(x, *rest, **_kw(layout, e))  # noqa: E731
+    inference = _pallas_widths(jax.make_jaxpr(f)(*args))
+    training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
+    assert (t * k, i) in inference and (t * k, 2 * i) not in inference
+    assert (t * k, 2 * i) in training and (t * k, i) not in training
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    mag = _abs_bound_moe(
+        _j(hid),
+        _j(idx).astype(jnp.int32),
+        _j(w16),
+        _j(gu),
+        _j(dn),
+        None,
+        None,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+    )
+    for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
+        assert out.dtype == bf
+        assert_close(out, ref, dtype=bf, magnitude=mag, roundings=6, what=what)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from rmsnorm_tpu import api, kernel, reference, tiling
 from tolerances import assert_close
@@ -220,3 +220,67 @@ def test_block_choice_fits_budget_and_grows_with_rows():
 def test_oversized_hidden_raises_with_need_and_budget():
     with pytest.raises(ValueError, match=r"needs \d+ bytes of VMEM, budget is \d+ bytes"):
         tiling.choose_config(64, 2**22, (4, 4), "v5e")
+
+
+# -- the forward's copy ring (large inputs; rows a multiple of the sublane tile) --
+
+
+def _ring_blocks(dtype, rows_in_subs):
+    sub = tiling.sublane_multiple(jnp.dtype(dtype).itemsize)
+    return tiling.RMSNormConfig(
+        block_rows=rows_in_subs * sub, vmem_limit_bytes=16 * 2**20, ring=True
+    )
+
+
+@example(
+    dtype=jnp.bfloat16, hidden=200, blocks=4.5, block_subs=1, residual=True, gemma=False, seed=1
+)
+@settings(max_examples=6, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    hidden=st.sampled_from([128, 200, 384]),
+    # rows / block: the ring's slots wrap several times; a count that is not
+    # a multiple of the block makes the last block overlap the one before.
+    blocks=st.sampled_from([1, 2, 3, 4.5, 7.5]),
+    block_subs=st.sampled_from([1, 2]),
+    residual=st.booleans(),
+    gemma=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_ring_forward_matches_reference(dtype, hidden, blocks, block_subs, residual, gemma, seed):
+    cfg = _ring_blocks(dtype, block_subs)
+    sub = tiling.sublane_multiple(jnp.dtype(dtype).itemsize)
+    rows = int(blocks * cfg.block_rows) // sub * sub
+    x, w, r, _ = _inputs([rows], hidden, dtype, seed, with_residual=residual)
+    out = kernel.rms_norm_fwd(x, w, r, eps=1e-6, gemma=gemma, interpret=True, config=cfg)
+    if residual:
+        y, s = out
+        _, s_ref = reference.fused_add_rms_norm_ref(x, r, w, 1e-6, gemma)
+        np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s_ref, np.float32))
+        _check_forward(y, s_ref, w, 1e-6, gemma)
+    else:
+        _check_forward(out, x, w, 1e-6, gemma)
+
+
+def test_ring_is_chosen_for_large_aligned_inputs_only():
+    big = tiling.ring_config(8192, 8192, (2,), (2,), "tpu7x")
+    assert big is not None and big.ring and 8192 >= tiling.RING_MIN_BLOCKS * big.block_rows
+    assert tiling.ring_config(8192 - 8, 8192, (2,), (2,), "tpu7x") is None  # not whole bf16 tiles
+    assert tiling.ring_config(64, 8192, (2,), (2,), "tpu7x") is None  # too few blocks
+    cfg = kernel._resolve_config("v6e", 8192, 4096, (2, 2), n_out=1)
+    assert cfg.ring
+    # The backward keeps the BlockSpec pipeline.
+    assert not kernel._resolve_config("v6e", 8192, 4096, (2, 2, 2)).ring
+
+
+def test_ring_refuses_rows_it_cannot_copy():
+    x = jnp.zeros((40, 128), jnp.bfloat16)
+    w = jnp.ones((128,), jnp.bfloat16)
+    with pytest.raises(ValueError, match="copy ring needs"):
+        kernel.rms_norm_fwd(
+            x[:37], w, eps=1e-6, interpret=True, config=_ring_blocks(jnp.bfloat16, 1)
+        )
+    with pytest.raises(ValueError, match="copy ring needs"):
+        kernel.rms_norm_fwd(
+            x[:16], w, eps=1e-6, interpret=True, config=_ring_blocks(jnp.bfloat16, 2)
+        )

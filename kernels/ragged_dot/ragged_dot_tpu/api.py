@@ -335,7 +335,11 @@ def _moe_program(
     config,
     interpret,
     quantize_activations=False,
+    fuse_glu=False,
 ):
+    """The two-launch layer. fuse_glu: where _glu_fusable allows, the gate/up
+    gmm applies the activation in its epilogue (not differentiable: the
+    primal's choice)."""
     configs = dict(zip(("up", "down"), _moe_configs(config)))
     scales = {"up": gate_up_scale, "down": down_scale}
     zero = jnp.zeros((), jnp.int32)
@@ -355,6 +359,27 @@ def _moe_program(
             quantize_lhs=quantize_activations,
         )
 
+    def matmul_glu(x, w, group_sizes):
+        w, transpose_rhs, _ = _hbm_view(w, not is_transposed)
+        return gmm(
+            x,
+            w,
+            group_sizes,
+            group_offset=zero,
+            transpose_rhs=transpose_rhs,
+            config=config,
+            interpret=interpret,
+            glu=(activation, alpha, limit),
+        )
+
+    # A MoeConfig's gate/up blocks are for the unfused product: kept as given.
+    fused = (
+        fuse_glu
+        and not isinstance(config, tiling.MoeConfig)
+        and _glu_fusable(
+            gate_up, gate_up_bias, gate_up_scale, has_gate, is_transposed, is_concatenated
+        )
+    )
     return moe.experts_program(
         hidden,
         top_k_index,
@@ -364,6 +389,7 @@ def _moe_program(
         gate_up_bias,
         down_bias,
         matmul=matmul,
+        matmul_glu=matmul_glu if fused and not quantize_activations else None,
         num_experts=num_experts,
         has_gate=has_gate,
         is_concatenated=is_concatenated,
@@ -372,6 +398,19 @@ def _moe_program(
         alpha=alpha,
         limit=limit,
     )
+
+
+def _glu_fusable(gate_up, bias, scale, has_gate, is_transposed, is_concatenated) -> bool:
+    """Whether the gate/up gmm can apply act(gate) * up itself: concatenated
+    halves, no bias between the projection and the activation, unquantized
+    weights (the rows reach the gmm in their dtype), halves on a tile boundary
+    of the weights as XLA stores them (tiling.glu_fusable)."""
+    if not (has_gate and is_concatenated) or bias is not None or scale is not None:
+        return False
+    w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    sub = tiling.sublane(gate_up.dtype)
+    return n % 2 == 0 and tiling.glu_fusable(n // 2, transpose_rhs, gate_up.dtype, sub)
 
 
 # Forward and backward rules of the whole layer: jax.vjp's residuals of the
@@ -462,13 +501,22 @@ def moe_experts_fwd(*arrays, **statics):
     return out, ()
 
 
+def moe_experts_primal(*arrays, **statics):
+    """The layer when no gradient is asked for: the fused decode launch where
+    it applies, else the two launches with the activation in the gate/up
+    gmm's epilogue where that applies (nothing is kept for a backward)."""
+    if _fused_config(arrays, statics) is not None:
+        return moe_experts_fwd(*arrays, **statics)[0]
+    return _moe_program(*arrays, **statics, fuse_glu=True)
+
+
 def moe_experts_bwd(arrays, outputs, residuals, cotangents, **statics):
     if _fused_config(arrays, statics) is not None:
         outputs, residuals = _program_fwd(*arrays, **statics)
     return _program_bwd(arrays, outputs, residuals, cotangents, **statics)
 
 
-_moe_experts = differentiable(moe_experts_fwd, moe_experts_bwd)
+_moe_experts = differentiable(moe_experts_fwd, moe_experts_bwd, moe_experts_primal)
 
 
 @functools.partial(

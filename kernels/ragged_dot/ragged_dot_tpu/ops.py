@@ -113,6 +113,11 @@ def _moe_forward(*args, interpret):
     return api.moe_experts_fwd(*arrays, **statics)
 
 
+def _moe_primal(*args, interpret):
+    arrays, statics = _moe_split(args, interpret)
+    return api.moe_experts_primal(*arrays, **statics)
+
+
 def _moe_backward(args, out, residuals, grad, *, interpret):
     arrays, statics = _moe_split(args, interpret)
     grads = api.moe_experts_bwd(arrays, out, residuals, grad, **statics)
@@ -149,6 +154,7 @@ _moe_experts = LIB.define_differentiable(
     "Tensor? gate_up_scale, Tensor? down_scale, bool quantize_activations) -> Tensor",
     forward=_moe_forward,
     backward=_moe_backward,
+    primal=_moe_primal,
     reference=reference.moe_experts_reference,
     differentiable=("hidden", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias"),
     check=_moe_check,

@@ -321,6 +321,11 @@ MXFP4_TEMP_BYTES = 16
 MXFP4_DECODE_ONCE_ROWS = 128
 
 
+# Output columns per gmm piece with ``glu``: each MXU pass covers a piece's
+# gate and up columns, 512 in all.
+GLU_PIECE = 256
+
+
 def widest_piece(w_dtype) -> int:
     return MXFP4_PIECE if mxfp4.is_mxfp4(w_dtype) else 512
 
@@ -352,12 +357,28 @@ def pass_rows(chunk: int, sub: int) -> int:
     return chunk + sum(sub << b for b in range(max(chunk // sub - 1, 0).bit_length()))
 
 
-def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3) -> int:
+def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int) -> bool:
+    """Whether gmm can apply act(gate) * up in its epilogue (``glu``) for
+    gate/up halves of `inter` columns each: unquantized weights, and the up
+    half starting on a tile boundary of the slab ([K, 2I]: a lane tile of 128;
+    transposed [2I, K]: a sublane tile). Gemma 4's I = 704 qualifies only
+    transposed (its torch layout)."""
+    if is_quantized(w_dtype) or jnp.dtype(w_dtype) not in SUPPORTED_DTYPES:
+        return False
+    return inter % (sub if transposed else 128) == 0
+
+
+def gmm_vmem_bytes(
+    m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3, glu=False
+) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
 
     Quantized weights add each piece widened to in_dtype and the scale slots
-    (a [1, S] f32 row pads to 8 sublanes; S is at most max(k, bn))."""
+    (a [1, S] f32 row pads to 8 sublanes; S is at most max(k, bn)). With
+    `glu`, n and bn count output columns: each slab holds a gate and an up
+    block, and each piece has two f32 products."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
+    halves = 2 if glu else 1
     tiles = -(-m // bm)
     n_blocks = -(-n // bn)
     lhs_bufs = 1 if tiles == 1 else 2
@@ -369,16 +390,17 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     if mx:  # [K/2, bn] byte slots and [S, bn] scale slots
         need += buffers * (round_up(k // 2, 32) + mxfp4.scale_rows(k)) * np_
     else:
-        need += buffers * weight_rows(k, w_dtype) * np_ * wb  # the weight stream's slots
+        # the weight stream's slots
+        need += buffers * weight_rows(k, w_dtype) * _lane(halves * bn) * wb
         if is_quantized(w_dtype):
             need += buffers * 8 * _lane(max(k, bn)) * 4
-    # Row passes: the lhs rows (cast), the f32 product, the merge, for each
+    # Row passes: the lhs rows (cast), the f32 product(s), the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
     need += rows * kp * 4
-    p, _, tail = gmm_pieces(bn, widest_piece(w_dtype))
+    p, _, tail = gmm_pieces(bn, GLU_PIECE if glu else widest_piece(w_dtype))
     for pp in (_lane(p), _lane(tail) if tail else 0):
-        need += 2 * rows * pp * 4 + rows * pp * ob
+        need += (2 * halves + 1) * rows * pp * 4 + rows * pp * ob
         if mx:  # the decode's temporaries and the decoded piece kept in VMEM
             need += (MXFP4_TEMP_BYTES + ib) * round_up(k, 32) * pp
         elif is_quantized(w_dtype):
@@ -386,12 +408,12 @@ def gmm_vmem_bytes(m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers
     return need
 
 
-def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen, bufs) -> float:
+def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen, bufs, halves=1) -> float:
     tiles = -(-m // bm)
     n_blocks = -(-n // bn)
     lhs_reads = 1 if tiles == 1 else n_blocks
     # wb: bytes a weight (0.5 + the scales' share for FP4)
-    nbytes = g * k * n * wb + lhs_reads * m * k * ib + m * n * ob
+    nbytes = g * k * halves * n * wb + lhs_reads * m * k * ib + m * n * ob
     t = nbytes / gen.hbm_bytes_per_s + tiles * n_blocks * STEP_OVERHEAD_S
     if bufs < 3:  # nothing queued behind the arriving slab: each pays its latency
         t += min(g, m) * n_blocks * tpu_info.DMA_LATENCY_S
@@ -408,8 +430,11 @@ def gmm_config(
     out_dtype=None,
     generation: str | None = None,
     w_dtype=None,
+    glu: bool = False,
 ) -> GmmConfig:
-    """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`."""
+    """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`.
+    With `glu`, n is the output's columns (rhs has 2n: gate and up halves)
+    and block_n a block of them: every slab carries gate and up blocks."""
     gen = get_generation(generation)
     dtype = jnp.dtype(dtype)
     w_dtype = jnp.dtype(w_dtype or dtype)
@@ -421,8 +446,11 @@ def gmm_config(
         chunk = _chunk(bm, gen, sub)
         for bn in _slab_candidates(n):
             # Fewer slots before smaller blocks: two still stream, one behind another.
-            for bufs in range(weight_buffers(k, bn, w_dtype, gen), 1, -1):
-                need = gmm_vmem_bytes(m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs)
+            slab_n = 2 * bn if glu else bn
+            for bufs in range(weight_buffers(k, slab_n, w_dtype, gen), 1, -1):
+                need = gmm_vmem_bytes(
+                    m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs, glu=glu
+                )
                 if need <= gen.vmem_budget:
                     break
             if smallest_need is None or need < smallest_need[0]:
@@ -430,7 +458,9 @@ def gmm_config(
             if need > gen.vmem_budget:
                 continue
             wb = 0.5 + 1 / mxfp4.BLOCK if mxfp4.is_mxfp4(w_dtype) else w_dtype.itemsize
-            t = _gmm_time(m, k, n, g, bm, bn, dtype.itemsize, wb, out_dtype.itemsize, gen, bufs)
+            t = _gmm_time(
+                m, k, n, g, bm, bn, dtype.itemsize, wb, out_dtype.itemsize, gen, bufs, 1 + glu
+            )
             if best is None or t < best[0]:
                 best = (t, bm, bn, chunk, need, bufs)
     if best is None:

@@ -20,20 +20,27 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import tiling
 
 
-def _resolve_config(config, rows, hidden, streams) -> tiling.RMSNormConfig:
-    """config: None (the attached TPU's generation), a generation name, or a RMSNormConfig."""
+def _resolve_config(config, rows, hidden, streams, n_out=None) -> tiling.RMSNormConfig:
+    """config: None (the attached TPU's generation), a generation name, or a
+    RMSNormConfig. n_out: the forward's output streams (the last n_out of
+    `streams`): it may take the copy ring."""
     if isinstance(config, tiling.RMSNormConfig):
         return config
     if config is None:
         from ._torch_bindings.backend import detected_generation  # no torch needed
 
         config = detected_generation()
+    if n_out:
+        ring = tiling.ring_config(rows, hidden, streams[:-n_out], streams[-n_out:], config)
+        if ring is not None:
+            return ring
     return tiling.choose_config(rows, hidden, streams, config)
 
 
@@ -53,6 +60,93 @@ def _fwd_kernel(*refs, eps, gemma, has_residual):
         x = x_ref[...].astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     y_ref[...] = (x * rstd * _effective_weight(w_ref, gemma)).astype(y_ref.dtype)
+
+
+def _normalise(x, w_ref, y_dst, eps, gemma):
+    """y = x / rms(x) * w for f32 rows x, stored to y_dst."""
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    y_dst[...] = (x * rstd * _effective_weight(w_ref, gemma)).astype(y_dst.dtype)
+
+
+def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
+    """The forward over HBM refs, through a ring of copies: RING_IN_SLOTS - 1
+    blocks are in flight while one is normalised, and each block's outputs
+    are copied back while the next ones are (RING_OUT_SLOTS slots). The last
+    block is aligned to the array's end and may overlap the one before it:
+    its shared rows are recomputed and written again with the same values."""
+    n = 1 + has_residual
+    ins, w_ref, outs = refs[:n], refs[n], refs[n + 1 : 2 * n + 1]
+    ibufs, obufs = refs[2 * n + 1 : 3 * n + 1], refs[3 * n + 1 : 4 * n + 1]
+    isem, osem = refs[4 * n + 1 :]
+    br = block_rows
+    n_in, n_out = tiling.RING_IN_SLOTS, tiling.RING_OUT_SLOTS
+    blocks = -(-rows // br)
+
+    def first_row(b):
+        return pl.multiple_of(jnp.minimum(b * br, rows - br), 8)
+
+    def in_copies(b, slot):
+        at = pl.ds(first_row(b), br)
+        return [
+            pltpu.make_async_copy(src.at[at], buf.at[slot], isem.at[slot])
+            for src, buf in zip(ins, ibufs)
+        ]
+
+    def out_copies(b, slot):
+        at = pl.ds(first_row(b), br)
+        return [
+            pltpu.make_async_copy(buf.at[slot], dst.at[at], osem.at[slot])
+            for buf, dst in zip(obufs, outs)
+        ]
+
+    for b in range(min(n_in - 1, blocks)):
+        for c in in_copies(b, b):
+            c.start()
+
+    def block(b, carry):
+        slot, oslot = lax.rem(b, n_in), lax.rem(b, n_out)
+        for c in in_copies(b, slot):
+            c.wait()
+        ahead = b + n_in - 1
+
+        @pl.when(ahead < blocks)
+        def _():
+            for c in in_copies(ahead, lax.rem(ahead, n_in)):
+                c.start()
+
+        @pl.when(b >= n_out)
+        def _():
+            for c in out_copies(b - n_out, oslot):
+                c.wait()
+
+        cr = math.gcd(br, tiling.RING_CHUNK_ROWS)
+
+        def chunk(c, carry):
+            rs = pl.ds(pl.multiple_of(c * cr, cr), cr)
+            x = ibufs[0][slot, rs, :].astype(jnp.float32)
+            if has_residual:
+                s = (x + ibufs[1][slot, rs, :].astype(jnp.float32)).astype(obufs[1].dtype)
+                obufs[1][oslot, rs, :] = s
+                x = s.astype(jnp.float32)
+            _normalise(x, w_ref, obufs[0].at[oslot, rs, :], eps, gemma)
+            return carry
+
+        lax.fori_loop(0, br // cr, chunk, 0)
+        for c in out_copies(b, oslot):
+            c.start()
+
+        # The last copies are awaited inside the loop, not after it: placed
+        # after the loop's closing branch, libtpu scheduled them where the
+        # model's tpu7x branch-delay rule executes them on every iteration.
+        @pl.when(b == blocks - 1)
+        def _():
+            for last in range(max(blocks - n_out, 0), blocks):
+                for c in out_copies(last, last % n_out):
+                    c.wait()
+
+        return carry
+
+    lax.fori_loop(0, blocks, block, 0)
 
 
 # Rows the backward computes at a time: a block's f32 temporaries would not
@@ -140,9 +234,16 @@ def rms_norm_fwd(
     if rows == 0:  # an empty grid is not a valid launch
         return (x, x) if has_residual else x
     streams = (x.dtype.itemsize,) * (4 if has_residual else 2)  # x[, residual] in; y[, sum] out
-    cfg = _resolve_config(config, rows, hidden, streams)
+    cfg = _resolve_config(config, rows, hidden, streams, n_out=1 + has_residual)
     br = cfg.block_rows
     operands = [x2] + ([_flatten(residual)] if has_residual else []) + [weight.reshape(1, hidden)]
+    if cfg.ring:
+        outs = _fwd_ring(operands, cfg, eps, gemma, has_residual, interpret)
+        return (
+            (outs[0].reshape(shape), outs[1].reshape(shape))
+            if has_residual
+            else outs[0].reshape(shape)
+        )
     in_specs = [_row_spec(br, hidden)] * (1 + has_residual) + [_weight_spec(hidden)]
     out_shape = [jax.ShapeDtypeStruct((rows, hidden), x.dtype)] * (1 + has_residual)
     itemsize = x.dtype.itemsize
@@ -167,6 +268,49 @@ def rms_norm_fwd(
     if has_residual:
         return outs[0].reshape(shape), outs[1].reshape(shape)
     return outs[0].reshape(shape)
+
+
+def _fwd_ring(operands, cfg, eps, gemma, has_residual, interpret):
+    x2, w = operands[0], operands[-1]
+    rows, hidden = x2.shape
+    br, n = cfg.block_rows, 1 + has_residual
+    sub = tiling.sublane_multiple(x2.dtype.itemsize)
+    if rows < br or rows % sub or br % sub:
+        raise ValueError(
+            f"config: the copy ring needs block_rows and rows multiples of {sub} with rows >="
+            f" block_rows; got block_rows={br}, rows={rows}"
+        )
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _fwd_ring_kernel,
+        eps=eps,
+        gemma=gemma,
+        has_residual=has_residual,
+        rows=rows,
+        block_rows=br,
+    )
+    slots = lambda count: [pltpu.VMEM((count, br, hidden), x2.dtype) for _ in range(n)]  # noqa: E731
+    itemsize = x2.dtype.itemsize
+    return pl.pallas_call(
+        kernel,
+        in_specs=[hbm] * n + [pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=[hbm] * n,
+        out_shape=[jax.ShapeDtypeStruct((rows, hidden), x2.dtype)] * n,
+        scratch_shapes=slots(tiling.RING_IN_SLOTS)
+        + slots(tiling.RING_OUT_SLOTS)
+        + [
+            pltpu.SemaphoreType.DMA((tiling.RING_IN_SLOTS,)),
+            pltpu.SemaphoreType.DMA((tiling.RING_OUT_SLOTS,)),
+        ],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * rows * hidden,
+            transcendentals=rows,
+            bytes_accessed=2 * n * rows * hidden * itemsize + hidden * w.dtype.itemsize,
+        ),
+        interpret=interpret,
+        name="rms_norm_fwd",
+    )(*operands)
 
 
 def rms_norm_bwd(

@@ -25,10 +25,28 @@ MAX_BLOCK_ROWS = 2048
 F32_TEMPS = 4  # f32 copies of a block the kernel body keeps live (x, x*x/xhat, y, grad)
 
 
+# The forward's copy ring (kernel._fwd_ring_kernel): input slots per stream.
+# Two blocks queued behind the one being normalised keep the HBM pipe busy
+# through each copy's fixed latency; with the BlockSpec pipeline's two slots a
+# step waited on its next block's latency whenever the vector work took as
+# long as the copies (tpu7x: 46 of 128 us at 8,192 x 8,192, by the schedule).
+RING_IN_SLOTS = 3
+RING_OUT_SLOTS = 3
+RING_MIN_BLOCKS = 4
+# Rows the ring's body normalises at a time: a block's f32 temporaries would
+# not fit the register file (see kernel.BWD_CHUNK_ROWS).
+RING_CHUNK_ROWS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class RMSNormConfig:
+    """block_rows: rows a step (BlockSpec pipeline) or a ring block moves.
+    ring: the forward streams through kernel._fwd_ring_kernel's copy ring
+    (rows a multiple of the sublane tile and at least RING_MIN_BLOCKS blocks)."""
+
     block_rows: int
     vmem_limit_bytes: int
+    ring: bool = False
 
 
 def sublane_multiple(itemsize: int) -> int:
@@ -39,6 +57,26 @@ def sublane_multiple(itemsize: int) -> int:
 def vmem_need(block_rows: int, hidden: int, stream_itemsizes: tuple[int, ...]) -> int:
     streamed = sum(2 * block_rows * hidden * s for s in stream_itemsizes)
     return streamed + F32_TEMPS * block_rows * hidden * 4 + 2 * hidden * 4
+
+
+def ring_vmem_need(block_rows, hidden, in_itemsizes, out_itemsizes) -> int:
+    slots = RING_IN_SLOTS * sum(in_itemsizes) + RING_OUT_SLOTS * sum(out_itemsizes)
+    return slots * block_rows * hidden + F32_TEMPS * RING_CHUNK_ROWS * hidden * 4 + 2 * hidden * 4
+
+
+def ring_config(rows, hidden, in_itemsizes, out_itemsizes, generation) -> RMSNormConfig | None:
+    """The forward's copy-ring blocks, or None where the BlockSpec pipeline is
+    used: rows not a multiple of the sublane tile (a ring block is copied
+    whole, and Mosaic copies whole tiles), or fewer than RING_MIN_BLOCKS
+    blocks (nothing to overlap)."""
+    sub = sublane_multiple(min(in_itemsizes + out_itemsizes))
+    row_bytes = hidden * max(in_itemsizes + out_itemsizes)
+    block = max(sub, min(MAX_BLOCK_ROWS, TARGET_BLOCK_BYTES // row_bytes) // sub * sub)
+    if rows % sub or rows < RING_MIN_BLOCKS * block:
+        return None
+    if ring_vmem_need(block, hidden, in_itemsizes, out_itemsizes) > VMEM_BUDGET[generation]:
+        return None
+    return RMSNormConfig(block_rows=block, vmem_limit_bytes=VMEM_LIMIT[generation], ring=True)
 
 
 def choose_config(
