@@ -102,8 +102,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rms-bwd-eps",
         RMS,
-        "rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)\n        xhat = x * rstd",
-        "rstd = 1.0 / (jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)\n        xhat = x * rstd",
+        "rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)\n    xhat = x * rstd",
+        "rstd = 1.0 / (jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)\n    xhat = x * rstd",
         (RMS_BLOCKS,),
         "backward: eps as 1/(sqrt(ms)+eps), not rsqrt(ms+eps)",
     ),
@@ -134,7 +134,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rms-bwd-ds",
         RMS,
-        "dx = dx + ds_ref[rs, :].astype(jnp.float32)",
+        "dx = dx + ds.astype(jnp.float32)",
         "dx = dx",
         (RMS_BLOCKS,),
         "backward: residual-stream grad ds not added",
@@ -856,6 +856,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "obufs[1][oslot, rs, :] = s",
         (f"{T_RMS}::test_ring_forward_matches_reference",),
         "rmsnorm ring: the fused forward normalises x instead of x + residual",
+    ),
+    Mutant(
+        "rms-ring-dw-overlap",
+        RMS,
+        "rstd_dw = jnp.where(row >= b * br, rstd, 0.0)",
+        "rstd_dw = rstd",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: rows the last block shares are counted twice in dweight",
+    ),
+    Mutant(
+        "rms-ring-dx-projection",
+        RMS,
+        "k = rstd * rstd * rstd * (jnp.sum(gx, axis=-1, keepdims=True) / hidden)",
+        "k = rstd * rstd * (jnp.sum(gx, axis=-1, keepdims=True) / hidden)",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: dx's projection term misses a factor of rstd",
+    ),
+    Mutant(
+        "rms-ring-bwd-ds",
+        RMS,
+        "dx = dx + ibufs[1][slot, rs, cs].astype(jnp.float32)",
+        "dx = dx",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: residual-stream grad ds not added",
+    ),
+    Mutant(
+        "rms-ring-bwd-eps",
+        RMS,
+        "rstd = jax.lax.rsqrt(jnp.sum(sq, axis=-1, keepdims=True) / hidden + eps)",
+        "rstd = 1.0 / (jnp.sqrt(jnp.sum(sq, axis=-1, keepdims=True) / hidden) + eps)",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: eps as 1/(sqrt(ms)+eps), not rsqrt(ms+eps)",
     ),
 )
 

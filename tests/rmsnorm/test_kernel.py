@@ -232,34 +232,45 @@ def _ring_blocks(dtype, rows_in_subs):
     )
 
 
-@example(
-    dtype=jnp.bfloat16, hidden=200, blocks=4.5, block_subs=1, residual=True, gemma=False, seed=1
-)
-@settings(max_examples=6, deadline=None)
-@given(
+RING = dict(
     dtype=st.sampled_from(DTYPES),
-    hidden=st.sampled_from([128, 200, 384]),
+    hidden=st.sampled_from([128, 200, 384, 2048]),
     # rows / block: the ring's slots wrap several times; a count that is not
     # a multiple of the block makes the last block overlap the one before.
     blocks=st.sampled_from([1, 2, 3, 4.5, 7.5]),
     block_subs=st.sampled_from([1, 2]),
-    residual=st.booleans(),
     gemma=st.booleans(),
+    eps=st.sampled_from(EPS),
+    x_scale=st.sampled_from(X_SCALES),
     seed=st.integers(0, 99),
 )
-def test_ring_forward_matches_reference(dtype, hidden, blocks, block_subs, residual, gemma, seed):
-    cfg = _ring_blocks(dtype, block_subs)
+_RING_EXAMPLE = dict(
+    dtype=jnp.bfloat16, hidden=200, blocks=4.5, block_subs=1, gemma=True, eps=0.1, x_scale=1e-3
+)
+
+
+def _ring_rows(dtype, cfg, blocks):
     sub = tiling.sublane_multiple(jnp.dtype(dtype).itemsize)
-    rows = int(blocks * cfg.block_rows) // sub * sub
-    x, w, r, _ = _inputs([rows], hidden, dtype, seed, with_residual=residual)
-    out = kernel.rms_norm_fwd(x, w, r, eps=1e-6, gemma=gemma, interpret=True, config=cfg)
+    return int(blocks * cfg.block_rows) // sub * sub
+
+
+@example(**_RING_EXAMPLE, residual=True, seed=1)
+@settings(max_examples=6, deadline=None)
+@given(residual=st.booleans(), **RING)
+def test_ring_forward_matches_reference(
+    dtype, hidden, blocks, block_subs, residual, gemma, eps, x_scale, seed
+):
+    cfg = _ring_blocks(dtype, block_subs)
+    rows = _ring_rows(dtype, cfg, blocks)
+    x, w, r, _ = _inputs([rows], hidden, dtype, seed, with_residual=residual, x_scale=x_scale)
+    out = kernel.rms_norm_fwd(x, w, r, eps=eps, gemma=gemma, interpret=True, config=cfg)
     if residual:
         y, s = out
-        _, s_ref = reference.fused_add_rms_norm_ref(x, r, w, 1e-6, gemma)
+        _, s_ref = reference.fused_add_rms_norm_ref(x, r, w, eps, gemma)
         np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s_ref, np.float32))
-        _check_forward(y, s_ref, w, 1e-6, gemma)
+        _check_forward(y, s_ref, w, eps, gemma)
     else:
-        _check_forward(out, x, w, 1e-6, gemma)
+        _check_forward(out, x, w, eps, gemma)
 
 
 def test_ring_is_chosen_for_large_aligned_inputs_only():
@@ -267,9 +278,8 @@ def test_ring_is_chosen_for_large_aligned_inputs_only():
     assert big is not None and big.ring and 8192 >= tiling.RING_MIN_BLOCKS * big.block_rows
     assert tiling.ring_config(8192 - 8, 8192, (2,), (2,), "tpu7x") is None  # not whole bf16 tiles
     assert tiling.ring_config(64, 8192, (2,), (2,), "tpu7x") is None  # too few blocks
-    cfg = kernel._resolve_config("v6e", 8192, 4096, (2, 2), n_out=1)
-    assert cfg.ring
-    # The backward keeps the BlockSpec pipeline.
+    assert kernel._resolve_config("v6e", 8192, 4096, (2, 2), n_out=1).ring
+    # Without its outputs named (n_out), a call keeps the BlockSpec pipeline.
     assert not kernel._resolve_config("v6e", 8192, 4096, (2, 2, 2)).ring
 
 
@@ -284,3 +294,21 @@ def test_ring_refuses_rows_it_cannot_copy():
         kernel.rms_norm_fwd(
             x[:16], w, eps=1e-6, interpret=True, config=_ring_blocks(jnp.bfloat16, 2)
         )
+
+
+@example(**_RING_EXAMPLE, with_ds=True, seed=3)
+@settings(max_examples=6, deadline=None)
+@given(with_ds=st.booleans(), **RING)
+def test_ring_backward_matches_reference(
+    dtype, hidden, blocks, block_subs, with_ds, gemma, eps, x_scale, seed
+):
+    """The weight gradient counts each row once, the rows the last block
+    shares with the one before it included. Hidden 2048 takes two 1024-lane
+    columns a pass; 200 the whole-row chunks."""
+    cfg = _ring_blocks(dtype, block_subs)
+    rows = _ring_rows(dtype, cfg, blocks)
+    x, w, r, dy = _inputs([rows], hidden, dtype, seed, with_residual=with_ds, x_scale=x_scale)
+    ds = r if with_ds else None
+    dx, dw = kernel.rms_norm_bwd(dy, ds, x, w, eps=eps, gemma=gemma, interpret=True, config=cfg)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dw.shape == w.shape
+    _check_backward(dx, dw, dy, ds, x, w, eps, gemma)

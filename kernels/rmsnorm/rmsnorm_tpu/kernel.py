@@ -68,16 +68,16 @@ def _normalise(x, w_ref, y_dst, eps, gemma):
     y_dst[...] = (x * rstd * _effective_weight(w_ref, gemma)).astype(y_dst.dtype)
 
 
-def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
-    """The forward over HBM refs, through a ring of copies: RING_IN_SLOTS - 1
-    blocks are in flight while one is normalised, and each block's outputs
-    are copied back while the next ones are (RING_OUT_SLOTS slots). The last
-    block is aligned to the array's end and may overlap the one before it:
-    its shared rows are recomputed and written again with the same values."""
-    n = 1 + has_residual
-    ins, w_ref, outs = refs[:n], refs[n], refs[n + 1 : 2 * n + 1]
-    ibufs, obufs = refs[2 * n + 1 : 3 * n + 1], refs[3 * n + 1 : 4 * n + 1]
-    isem, osem = refs[4 * n + 1 :]
+def _copy_ring(ins, outs, ibufs, obufs, isem, osem, *, rows, block_rows, body):
+    """Streams row blocks of the HBM refs `ins` through VMEM slots and the
+    blocks `body(b, slot, oslot)` writes into `obufs` back to `outs`:
+    RING_IN_SLOTS - 1 blocks are in flight while one is worked on, and
+    RING_OUT_SLOTS blocks' copies back may be. (The BlockSpec pipeline keeps
+    one block in flight: a step whose vector work took as long as its copies
+    then waited on the next block's DMA latency, 46 of 128 us at 8,192 x 8,192
+    bf16 on tpu7x, by the schedule.) The last block is aligned to the array's
+    end and may overlap the one before it (its shared rows are recomputed and
+    written again with the same values). Returns the first row of block b."""
     br = block_rows
     n_in, n_out = tiling.RING_IN_SLOTS, tiling.RING_OUT_SLOTS
     blocks = -(-rows // br)
@@ -119,25 +119,14 @@ def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
             for c in out_copies(b - n_out, oslot):
                 c.wait()
 
-        cr = math.gcd(br, tiling.RING_CHUNK_ROWS)
-
-        def chunk(c, carry):
-            rs = pl.ds(pl.multiple_of(c * cr, cr), cr)
-            x = ibufs[0][slot, rs, :].astype(jnp.float32)
-            if has_residual:
-                s = (x + ibufs[1][slot, rs, :].astype(jnp.float32)).astype(obufs[1].dtype)
-                obufs[1][oslot, rs, :] = s
-                x = s.astype(jnp.float32)
-            _normalise(x, w_ref, obufs[0].at[oslot, rs, :], eps, gemma)
-            return carry
-
-        lax.fori_loop(0, br // cr, chunk, 0)
+        body(b, slot, oslot)
         for c in out_copies(b, oslot):
             c.start()
 
-        # The last copies are awaited inside the loop, not after it: placed
-        # after the loop's closing branch, libtpu scheduled them where the
-        # model's tpu7x branch-delay rule executes them on every iteration.
+        # The last copies are awaited inside the loop: placed after it, libtpu
+        # put them just past the loop's closing branch (one empty bundle, then
+        # the waits), where bench/llo.py's tpu7x branch-delay rule runs them on
+        # every iteration, a wait no DMA satisfies (a hang on a chip).
         @pl.when(b == blocks - 1)
         def _():
             for last in range(max(blocks - n_out, 0), blocks):
@@ -149,11 +138,137 @@ def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
     lax.fori_loop(0, blocks, block, 0)
 
 
+def _ring_chunks(block_rows, chunk):
+    """Runs chunk(rows slice) over a ring block, RING_CHUNK_ROWS rows at a time."""
+    cr = math.gcd(block_rows, tiling.RING_CHUNK_ROWS)
+
+    def run(c, carry):
+        chunk(pl.ds(pl.multiple_of(c * cr, cr), cr))
+        return carry
+
+    lax.fori_loop(0, block_rows // cr, run, 0)
+
+
+def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
+    """The forward over HBM refs, through _copy_ring."""
+    n = 1 + has_residual
+    ins, w_ref, outs = refs[:n], refs[n], refs[n + 1 : 2 * n + 1]
+    ibufs, obufs = refs[2 * n + 1 : 3 * n + 1], refs[3 * n + 1 : 4 * n + 1]
+    isem, osem = refs[4 * n + 1 :]
+
+    def body(b, slot, oslot):
+        def chunk(rs):
+            x = ibufs[0][slot, rs, :].astype(jnp.float32)
+            if has_residual:
+                s = (x + ibufs[1][slot, rs, :].astype(jnp.float32)).astype(obufs[1].dtype)
+                obufs[1][oslot, rs, :] = s
+                x = s.astype(jnp.float32)
+            _normalise(x, w_ref, obufs[0].at[oslot, rs, :], eps, gemma)
+
+        _ring_chunks(block_rows, chunk)
+
+    _copy_ring(ins, outs, ibufs, obufs, isem, osem, rows=rows, block_rows=block_rows, body=body)
+
+
+def _bwd_ring_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
+    """The backward over HBM refs, through _copy_ring; the weight gradient
+    accumulates in VMEM, counting each row once (the last block's rows shared
+    with the block before it are masked out of it)."""
+    n = 2 + has_ds
+    ins, w_ref, dx_hbm, dw_ref = refs[:n], refs[n], refs[n + 1], refs[n + 2]
+    ibufs, dx_bufs = refs[n + 3 : 2 * n + 3], refs[2 * n + 3]
+    isem, osem, acc_ref = refs[2 * n + 4 :]
+    br = block_rows
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    w = _effective_weight(w_ref, gemma)
+
+    hidden = w_ref.shape[-1]
+    cw = next((c for c in (1024, 512, 256, 128) if hidden % c == 0), hidden)
+    unroll = min(hidden // cw, 8)
+
+    def body(b, slot, oslot):
+        first = jnp.minimum(b * br, rows - br)
+
+        def counted(rs, contrib):
+            row = first + rs.start + lax.broadcasted_iota(jnp.int32, contrib.shape, 0)
+            return jnp.where(row >= b * br, contrib, 0.0)
+
+        def chunk(rs):
+            dy = ibufs[0][slot, rs, :].astype(jnp.float32)
+            x = ibufs[-1][slot, rs, :].astype(jnp.float32)
+            ds = ibufs[1][slot, rs, :] if has_ds else None
+            dx, contrib = _bwd_rows(x, dy, ds, w, eps)
+            dx_bufs[oslot, rs, :] = dx.astype(dx_bufs.dtype)
+            acc_ref[...] += _sublane_sums(counted(rs, contrib))
+
+        def lanes(rs):
+            # Two passes over the row's columns, cw lanes at a time, unrolled
+            # (up to 8): whole rows of f32 temporaries spilled to VMEM and
+            # bound the loop by vector stores (tpu7x, H = 8192: 847 bundles a
+            # 16-row chunk, 932 of them stores); in 1024-lane columns the
+            # chunk is 606 bundles, bound by the VALU (2,047 ops, 4 a bundle).
+            def col(c):
+                return pl.ds(pl.multiple_of(c * cw, cw), cw)
+
+            def load(c):
+                cs = col(c)
+                dy = ibufs[0][slot, rs, cs].astype(jnp.float32)
+                x = ibufs[-1][slot, rs, cs].astype(jnp.float32)
+                return cs, x, dy, dy * _effective_weight(w_ref.at[:, cs], gemma)
+
+            def sums(c, carry):
+                _, x, _, g = load(c)
+                return carry[0] + x * x, carry[1] + g * x
+
+            zero = jnp.zeros((rs.size, cw), jnp.float32)
+            sq, gx = lax.fori_loop(0, hidden // cw, sums, (zero, zero), unroll=unroll)
+            rstd = jax.lax.rsqrt(jnp.sum(sq, axis=-1, keepdims=True) / hidden + eps)
+            # dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd
+            k = rstd * rstd * rstd * (jnp.sum(gx, axis=-1, keepdims=True) / hidden)
+            # rows the block before counted already get no weight-gradient share
+            row = first + rs.start + lax.broadcasted_iota(jnp.int32, rstd.shape, 0)
+            rstd_dw = jnp.where(row >= b * br, rstd, 0.0)
+
+            def grads(c, carry):
+                cs, x, dy, g = load(c)
+                dx = rstd * g - k * x
+                if has_ds:
+                    dx = dx + ibufs[1][slot, rs, cs].astype(jnp.float32)
+                dx_bufs[oslot, rs, cs] = dx.astype(dx_bufs.dtype)
+                acc_ref[:, cs] += _sublane_sums(dy * x * rstd_dw)
+                return carry
+
+            lax.fori_loop(0, hidden // cw, grads, 0, unroll=unroll)
+
+        _ring_chunks(br, lanes if hidden % 128 == 0 else chunk)
+
+    _copy_ring(ins, [dx_hbm], ibufs, [dx_bufs], isem, osem, rows=rows, block_rows=br, body=body)
+    dw_ref[...] = jnp.sum(acc_ref[...], axis=0, keepdims=True)
+
+
 # Rows the backward computes at a time: a block's f32 temporaries would not
 # fit the register file, so the compiler stored every one of them to VMEM and
 # the kernel was bound by vector stores (2x the bytes roofline on tpu7x);
 # a 16-row slice keeps them in registers.
 BWD_CHUNK_ROWS = 16
+
+
+def _sublane_sums(x):
+    """[rows, n] -> [8, n]: sums over whole 8-row tiles (VPU adds; rows a
+    multiple of 8), the one cross-sublane reduce left for the end."""
+    return x.reshape(-1, 8, x.shape[-1]).sum(axis=0)
+
+
+def _bwd_rows(x, dy, ds, w, eps):
+    """(dx, dy * xhat) of f32 rows: the input gradient (plus ds, the gradient
+    reaching the stored sum directly) and the rows' weight-gradient terms."""
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    xhat = x * rstd
+    g = dy * w
+    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    if ds is not None:
+        dx = dx + ds.astype(jnp.float32)
+    return dx, dy * xhat
 
 
 def _bwd_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
@@ -177,14 +292,8 @@ def _bwd_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
         rs = pl.ds(r0, cr)
         x = s_ref[rs, :].astype(jnp.float32)
         dy = dy_ref[rs, :].astype(jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-        xhat = x * rstd
-        g = dy * w
-        dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
-        if has_ds:
-            dx = dx + ds_ref[rs, :].astype(jnp.float32)
+        dx, contrib = _bwd_rows(x, dy, ds_ref[rs, :] if has_ds else None, w, eps)
         dx_ref[rs, :] = dx.astype(dx_ref.dtype)
-        contrib = dy * xhat
         if rows % block_rows:  # the last block overhangs: its extra rows are garbage
             row = i * block_rows + r0 + jax.lax.broadcasted_iota(jnp.int32, dy.shape, 0)
             contrib = jnp.where(row < rows, contrib, 0.0)
@@ -274,12 +383,7 @@ def _fwd_ring(operands, cfg, eps, gemma, has_residual, interpret):
     x2, w = operands[0], operands[-1]
     rows, hidden = x2.shape
     br, n = cfg.block_rows, 1 + has_residual
-    sub = tiling.sublane_multiple(x2.dtype.itemsize)
-    if rows < br or rows % sub or br % sub:
-        raise ValueError(
-            f"config: the copy ring needs block_rows and rows multiples of {sub} with rows >="
-            f" block_rows; got block_rows={br}, rows={rows}"
-        )
+    _ring_rows_check(rows, br, x2.dtype)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _fwd_ring_kernel,
@@ -313,6 +417,52 @@ def _fwd_ring(operands, cfg, eps, gemma, has_residual, interpret):
     )(*operands)
 
 
+def _ring_rows_check(rows, br, dtype):
+    sub = tiling.sublane_multiple(jnp.dtype(dtype).itemsize)
+    if rows < br or rows % sub or br % sub:
+        raise ValueError(
+            f"config: the copy ring needs block_rows and rows multiples of {sub} with rows >="
+            f" block_rows; got block_rows={br}, rows={rows}"
+        )
+
+
+def _bwd_ring(operands, dtype, cfg, eps, gemma, has_ds, interpret):
+    rows, hidden = operands[0].shape
+    br, n = cfg.block_rows, 2 + has_ds
+    _ring_rows_check(rows, br, dtype)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    kernel = functools.partial(
+        _bwd_ring_kernel, eps=eps, gemma=gemma, has_ds=has_ds, rows=rows, block_rows=br
+    )
+    in_slots = [pltpu.VMEM((tiling.RING_IN_SLOTS, br, hidden), a.dtype) for a in operands[:n]]
+    return pl.pallas_call(
+        kernel,
+        in_specs=[hbm] * n + [vmem],
+        out_specs=[hbm, vmem],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, hidden), dtype),
+            jax.ShapeDtypeStruct((1, hidden), jnp.float32),
+        ],
+        scratch_shapes=in_slots
+        + [
+            pltpu.VMEM((tiling.RING_OUT_SLOTS, br, hidden), dtype),
+            pltpu.SemaphoreType.DMA((tiling.RING_IN_SLOTS,)),
+            pltpu.SemaphoreType.DMA((tiling.RING_OUT_SLOTS,)),
+            pltpu.VMEM((8, hidden), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(
+            flops=10 * rows * hidden,
+            transcendentals=rows,
+            bytes_accessed=(n + 1) * rows * hidden * jnp.dtype(dtype).itemsize
+            + hidden * (operands[-1].dtype.itemsize + 4),
+        ),
+        interpret=interpret,
+        name="rms_norm_bwd",
+    )(*operands)
+
+
 def rms_norm_bwd(
     dy,
     ds,
@@ -333,12 +483,15 @@ def rms_norm_bwd(
     if rows == 0:
         return jnp.zeros_like(s), jnp.zeros_like(weight)
     has_ds = ds is not None
-    streams = (dy.dtype.itemsize, s.dtype.itemsize, s.dtype.itemsize) + (
-        (ds.dtype.itemsize,) if has_ds else ()
-    )
-    cfg = _resolve_config(config, rows, hidden, streams)
+    # dy[, ds], s in; dx out
+    streams = (dy.dtype.itemsize,) + ((ds.dtype.itemsize,) if has_ds else ())
+    streams += (s.dtype.itemsize, s.dtype.itemsize)
+    cfg = _resolve_config(config, rows, hidden, streams, n_out=1)
     br = cfg.block_rows
     operands = [dy2] + ([_flatten(ds)] if has_ds else []) + [s2, weight.reshape(1, hidden)]
+    if cfg.ring:
+        dx, dw = _bwd_ring(operands, s.dtype, cfg, eps, gemma, has_ds, interpret)
+        return dx.reshape(shape), dw.reshape(weight.shape).astype(weight.dtype)
     in_specs = [_row_spec(br, hidden)] * (2 + has_ds) + [_weight_spec(hidden)]
     dx, dw = pl.pallas_call(
         functools.partial(
