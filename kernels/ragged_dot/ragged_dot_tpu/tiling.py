@@ -290,7 +290,8 @@ def weight_minor_swapped(shape) -> bool:
 def gmm_pieces(block_n: int, widest: int = 512) -> tuple[int, int, int]:
     """(piece width, full pieces, tail width) of a gmm weight slab.
 
-    An aligned slab is consumed in `piece` columns. An unaligned one (GPT-OSS:
+    An aligned slab is consumed in `piece` columns (`widest` pieces and a
+    tail where `widest` does not divide it). An unaligned one (GPT-OSS:
     N = 2880) goes in 256-column pieces and one narrower tail: as a single
     2880-wide piece, a transposed slab ([N, K], d_lhs) made Mosaic emit one
     unrolled transpose of the whole slab (17 s to compile one kernel).
@@ -300,6 +301,13 @@ def gmm_pieces(block_n: int, widest: int = 512) -> tuple[int, int, int]:
         w = min(256, widest)
         return w, block_n // w, block_n % w
     p = piece(block_n, widest)
+    if p < widest < block_n:
+        # An aligned slab that `widest` does not divide (Gemma 4's 1408 = 11 x
+        # 128): widest pieces and an aligned tail, not 11 passes of 128 columns,
+        # which half-fill a 256-wide MXU and, on tpu7x, pop the product of each
+        # 256-deep slice of K (Gemma 4's gate/up at 8,192 tokens: tpu7x 1,376
+        # -> 496 us, v6e 1,492 -> 1,110, by their schedules).
+        return widest, block_n // widest, block_n % widest
     return p, block_n // p, 0
 
 
