@@ -134,8 +134,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rms-bwd-ds",
         RMS,
-        "dx = dx + ds.astype(jnp.float32)",
-        "dx = dx",
+        "dx, contrib = _bwd_rows(x, dy, ds_ref[rs, :] if has_ds else None, w, eps)",
+        "dx, contrib = _bwd_rows(x, dy, None, w, eps)",
         (RMS_BLOCKS,),
         "backward: residual-stream grad ds not added",
     ),
