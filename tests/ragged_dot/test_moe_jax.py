@@ -49,6 +49,33 @@ def test_matches_transformers_grouped_mm_f32(layout):
     np.testing.assert_allclose(np.asarray(out), ref.numpy(), **tolerance(jnp.float32, h))
 
 
+def _bf16_case(layout, e, h, i, t, k, seed):
+    """A bf16 layer's arguments (moe_experts' order, biases included) and
+    transformers' layer in f32 on the same bf16-rounded weights and inputs,
+    with the per-element magnitudes of its terms (tests/tolerances.py)."""
+    self, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=seed, dtype=torch.bfloat16)
+    idx, w = _routing(t, k, e, seed=seed + 1)
+    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)).bfloat16()
+    w16 = w.bfloat16()
+    ref_self, *_ = _experts(layout, e, h, i, seed=seed, dtype=torch.bfloat16)
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        if hasattr(ref_self, name):
+            setattr(ref_self, name, getattr(ref_self, name).float())
+    ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w16.float()).numpy()
+    bf = jnp.bfloat16
+    tensors = (hid, idx, w16, gu, dn, b1, b2)
+    args = tuple(_j(x).astype(jnp.int32) if x is idx else _j(x, bf) for x in tensors)
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    mag = _abs_bound_moe(
+        *(_j(x).astype(jnp.int32) if x is idx else _j(x) for x in tensors),
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        is_concatenated=is_conc,
+        activation=act,
+    )
+    return args, ref, mag
+
+
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=[l[0] for l in LAYOUTS[:2]])
 def test_matches_transformers_bf16(layout):
     """bf16 layer per element (tests/tolerances.py) against transformers' layer in
@@ -56,42 +83,10 @@ def test_matches_transformers_bf16(layout):
     the activation and the down projection to bf16 in the kernel path: each
     rounding costs at most u times the absolute terms it feeds."""
     e, h, i, t, k = 8, 128, 64, 9, 3
-    self, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=4, dtype=torch.bfloat16)
-    idx, w = _routing(t, k, e, seed=5)
-    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).bfloat16()
-    w16 = w.bfloat16()
-    ref_self, *_ = _experts(layout, e, h, i, seed=4, dtype=torch.bfloat16)
-    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-        if hasattr(ref_self, name):
-            setattr(ref_self, name, getattr(ref_self, name).float())
-    ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w16.float()).numpy()
-    bf = jnp.bfloat16
-    out = moe_experts(
-        _j(hid, bf),
-        _j(idx).astype(jnp.int32),
-        _j(w16, bf),
-        _j(gu, bf),
-        _j(dn, bf),
-        _j(b1, bf),
-        _j(b2, bf),
-        **_kw(layout, e),
-    )
-    assert out.dtype == bf
-    _, has_gate, is_transposed, is_conc, _, act = layout
-    mag = _abs_bound_moe(
-        _j(hid),
-        _j(idx).astype(jnp.int32),
-        _j(w16),
-        _j(gu),
-        _j(dn),
-        _j(b1),
-        _j(b2),
-        has_gate=has_gate,
-        is_transposed=is_transposed,
-        is_concatenated=is_conc,
-        activation=act,
-    )
-    assert_close(out, ref, dtype=bf, magnitude=mag, roundings=6, what="out")
+    args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=4)
+    out = moe_experts(*args, **_kw(layout, e))
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what="out")
 
 
 def test_expert_parallel_sentinels_and_shards():
@@ -262,35 +257,12 @@ def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
     transformers' layer with the bf16 test's bound (300 tokens: two launches,
     past the one-launch decode kernel's limit)."""
     e, h, i, t, k = 8, 384, 128, 300, 2  # h apart from i and 2i: the launches tell apart
-    self, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=11, dtype=torch.bfloat16)
-    idx, w = _routing(t, k, e, seed=12)
-    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(13)).bfloat16()
-    w16 = w.bfloat16()
-    ref_self, *_ = _experts(layout, e, h, i, seed=11, dtype=torch.bfloat16)
-    for name in ("gate_up_proj", "down_proj"):
-        setattr(ref_self, name, getattr(ref_self, name).float())
-    ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w16.float()).numpy()
-    bf = jnp.bfloat16
-    args = (_j(hid, bf), _j(idx).astype(jnp.int32), _j(w16, bf), _j(gu, bf), _j(dn, bf))
+    args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=11)
     f = lambda x, *rest: moe_experts(x, *rest, **_kw(layout, e))  # noqa: E731
     inference = _pallas_widths(jax.make_jaxpr(f)(*args))
     training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
     assert (t * k, i) in inference and (t * k, 2 * i) not in inference
     assert (t * k, 2 * i) in training and (t * k, i) not in training
-    _, has_gate, is_transposed, is_conc, _, act = layout
-    mag = _abs_bound_moe(
-        _j(hid),
-        _j(idx).astype(jnp.int32),
-        _j(w16),
-        _j(gu),
-        _j(dn),
-        None,
-        None,
-        has_gate=has_gate,
-        is_transposed=is_transposed,
-        is_concatenated=is_conc,
-        activation=act,
-    )
     for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
-        assert out.dtype == bf
-        assert_close(out, ref, dtype=bf, magnitude=mag, roundings=6, what=what)
+        assert out.dtype == jnp.bfloat16
+        assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)
