@@ -197,8 +197,42 @@ def _lacks(hit: Compiled, want_cycles: bool, want_schedule: bool) -> bool:
 INSTRUMENT_VERSION = 3
 
 
+def source_fingerprint() -> str:
+    """Digest of the code that builds what the cache holds: the kernel
+    packages, torch_bindings and bench. Cache keys name programs by role
+    (an experts layer's XLA routing by its row count), not by their text, so
+    the main job's results/ cache served the routing program of an older
+    commit after the code changed (2026-12-03: a 512-token layer read 985.5
+    instead of 963.9 us). With the digest in every key, any change is a miss."""
+    global _FINGERPRINT
+    if _FINGERPRINT is None:
+        from pathlib import Path
+
+        _FINGERPRINT = code_digest(Path(__file__).resolve().parent.parent)
+    return _FINGERPRINT
+
+
+def code_digest(root) -> str:
+    """sha1 (16 hex digits) of the paths and bytes of the kernel packages'
+    modules, torch_bindings/ and bench/ under the checkout `root`."""
+    import hashlib
+
+    files = [*root.glob("kernels/*/*/*.py"), *root.glob("torch_bindings/*.py")]
+    files += root.glob("bench/**/*.py")
+    h = hashlib.sha1()
+    for f in sorted(set(files)):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_FINGERPRINT: str | None = None
+
+
 class CompileCache:
-    """(key, generation) -> Compiled, optionally persisted as JSON lines."""
+    """(key, generation) -> Compiled, optionally persisted as JSON lines; a
+    record is found only by the code (source_fingerprint) and instrument
+    (INSTRUMENT_VERSION) that made it."""
 
     def __init__(self, path: str | None = None, read_also: Sequence[str] = ()):
         """Results are appended to `path`; `read_also` are more files to load
@@ -234,7 +268,9 @@ class CompileCache:
 
     @staticmethod
     def _k(key, generation) -> str:
-        return json.dumps([key, generation, INSTRUMENT_VERSION], sort_keys=True, default=str)
+        return json.dumps(
+            [key, generation, INSTRUMENT_VERSION, source_fingerprint()], sort_keys=True, default=str
+        )
 
     def get(
         self,

@@ -889,6 +889,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{T_RMS}::test_ring_backward_matches_reference",),
         "rmsnorm ring backward: eps as 1/(sqrt(ms)+eps), not rsqrt(ms+eps)",
     ),
+    Mutant(
+        "cache-ignores-code",
+        "bench/xla_cost.py",
+        "[key, generation, INSTRUMENT_VERSION, source_fingerprint()], sort_keys=True, default=str",
+        "[key, generation, INSTRUMENT_VERSION], sort_keys=True, default=str",
+        ("tests/bench/test_xla_fusions.py::test_a_record_of_other_code_is_compiled_again",),
+        "bench cache: a record made by other code is served (stale figures after an edit)",
+    ),
 )
 
 

@@ -138,6 +138,49 @@ def test_a_record_of_an_older_instrument_is_compiled_again(tmp_path, monkeypatch
     assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is again
 
 
+def test_a_record_of_other_code_is_compiled_again(tmp_path, monkeypatch):
+    # Keys name programs by role, not text: after a code change the same key
+    # may name another program, so a record from other code is a miss.
+    import types
+
+    from bench import xla_cost
+
+    path = str(tmp_path / "cache.jsonl")
+    spec = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]).ok
+    again = types.SimpleNamespace(ok=True, error=None, to_json=lambda: {})
+    monkeypatch.setattr(xla_cost, "compile_program", lambda *a, **k: again)
+    assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is not again
+    monkeypatch.setattr(xla_cost, "_FINGERPRINT", "edited")
+    assert xla_cost.CompileCache(path).get(("add",), "v6e", lambda a: a + 1, [spec]) is again
+
+
+def test_the_code_digest_follows_kernels_and_bench_only(tmp_path):
+    from bench import xla_cost
+
+    for rel in (
+        "kernels/rmsnorm/rmsnorm_tpu/kernel.py",
+        "torch_bindings/aot.py",
+        "bench/registry.py",
+        "tests/test_x.py",
+        "README.md",
+    ):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    first = xla_cost.code_digest(tmp_path)
+    (tmp_path / "tests/test_x.py").write_text("x = 2\n")
+    (tmp_path / "README.md").write_text("edited\n")
+    assert xla_cost.code_digest(tmp_path) == first  # tests and docs do not count
+    for rel in (
+        "kernels/rmsnorm/rmsnorm_tpu/kernel.py",
+        "torch_bindings/aot.py",
+        "bench/registry.py",
+    ):
+        before = xla_cost.code_digest(tmp_path)
+        (tmp_path / rel).write_text((tmp_path / rel).read_text() + "y = 2\n")
+        assert xla_cost.code_digest(tmp_path) != before, rel
+
+
 def test_a_sparsecore_gather_is_charged_its_bytes():
     # v6e's XLA runs a row gather on the SparseCore (an async offload whose code
     # is not in the TensorCore dumps): it is charged reading and writing its
