@@ -219,7 +219,6 @@ def _gmm_kernel(
     trace,
     quantize_lhs=False,
     glu=None,
-    half=0,
 ):
     if scale_axis:
         scale_hbm, out_ref, *rest = rest
@@ -266,6 +265,7 @@ def _gmm_kernel(
             # same output columns, side by side: one MXU pass of 2 x piece
             # columns gives both (separate gate and up passes of one piece
             # each ran at ~1.5x the bundles on tpu7x).
+            half = n_blocks * block_n  # where the up half starts in rhs
             col = n_q * block_n if n_blocks > 1 else 0
             if n_blocks > 1 and block_n % 128 == 0:
                 col = pl.multiple_of(col, 128)
@@ -815,7 +815,6 @@ def gmm(
         trace=_trace,
         quantize_lhs=quantize_lhs,
         glu=glu,
-        half=half,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(

@@ -29,8 +29,8 @@ from . import tiling
 
 def _resolve_config(config, rows, hidden, streams, n_out=None) -> tiling.RMSNormConfig:
     """config: None (the attached TPU's generation), a generation name, or a
-    RMSNormConfig. n_out: the forward's output streams (the last n_out of
-    `streams`): it may take the copy ring."""
+    RMSNormConfig. n_out: how many of `streams` (the last) are outputs; a call
+    that names them may take the copy ring."""
     if isinstance(config, tiling.RMSNormConfig):
         return config
     if config is None:
@@ -58,8 +58,7 @@ def _fwd_kernel(*refs, eps, gemma, has_residual):
     else:
         x_ref, w_ref, y_ref = refs
         x = x_ref[...].astype(jnp.float32)
-    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    y_ref[...] = (x * rstd * _effective_weight(w_ref, gemma)).astype(y_ref.dtype)
+    _normalise(x, w_ref, y_ref, eps, gemma)
 
 
 def _normalise(x, w_ref, y_dst, eps, gemma):
@@ -77,7 +76,7 @@ def _copy_ring(ins, outs, ibufs, obufs, isem, osem, *, rows, block_rows, body):
     then waited on the next block's DMA latency, 46 of 128 us at 8,192 x 8,192
     bf16 on tpu7x, by the schedule.) The last block is aligned to the array's
     end and may overlap the one before it (its shared rows are recomputed and
-    written again with the same values). Returns the first row of block b."""
+    written again with the same values; _ring_rows_new says which are new)."""
     br = block_rows
     n_in, n_out = tiling.RING_IN_SLOTS, tiling.RING_OUT_SLOTS
     blocks = -(-rows // br)
@@ -138,6 +137,14 @@ def _copy_ring(ins, outs, ibufs, obufs, isem, osem, *, rows, block_rows, body):
     lax.fori_loop(0, blocks, block, 0)
 
 
+def _ring_rows_new(b, rs, rows, block_rows):
+    """[len(rs), 1]: which rows `rs` of ring block b no block before it held
+    (the last block, aligned to the array's end, may repeat some)."""
+    first = jnp.minimum(b * block_rows, rows - block_rows)
+    row = first + rs.start + lax.broadcasted_iota(jnp.int32, (rs.size, 1), 0)
+    return row >= b * block_rows
+
+
 def _ring_chunks(block_rows, chunk):
     """Runs chunk(rows slice) over a ring block, RING_CHUNK_ROWS rows at a time."""
     cr = math.gcd(block_rows, tiling.RING_CHUNK_ROWS)
@@ -187,19 +194,14 @@ def _bwd_ring_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
     unroll = min(hidden // cw, 8)
 
     def body(b, slot, oslot):
-        first = jnp.minimum(b * br, rows - br)
-
-        def counted(rs, contrib):
-            row = first + rs.start + lax.broadcasted_iota(jnp.int32, contrib.shape, 0)
-            return jnp.where(row >= b * br, contrib, 0.0)
-
         def chunk(rs):
             dy = ibufs[0][slot, rs, :].astype(jnp.float32)
             x = ibufs[-1][slot, rs, :].astype(jnp.float32)
             ds = ibufs[1][slot, rs, :] if has_ds else None
             dx, contrib = _bwd_rows(x, dy, ds, w, eps)
             dx_bufs[oslot, rs, :] = dx.astype(dx_bufs.dtype)
-            acc_ref[...] += _sublane_sums(counted(rs, contrib))
+            new = _ring_rows_new(b, rs, rows, br)
+            acc_ref[...] += _sublane_sums(jnp.where(new, contrib, 0.0))
 
         def lanes(rs):
             # Two passes over the row's columns, cw lanes at a time, unrolled
@@ -226,8 +228,7 @@ def _bwd_ring_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
             # dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd
             k = rstd * rstd * rstd * (jnp.sum(gx, axis=-1, keepdims=True) / hidden)
             # rows the block before counted already get no weight-gradient share
-            row = first + rs.start + lax.broadcasted_iota(jnp.int32, rstd.shape, 0)
-            rstd_dw = jnp.where(row >= b * br, rstd, 0.0)
+            rstd_dw = jnp.where(_ring_rows_new(b, rs, rows, br), rstd, 0.0)
 
             def grads(c, carry):
                 cs, x, dy, g = load(c)
@@ -379,6 +380,16 @@ def rms_norm_fwd(
     return outs[0].reshape(shape)
 
 
+def _ring_scratch(in_dtypes, out_dtypes, block_rows, hidden):
+    """_copy_ring's VMEM slots (inputs', then outputs') and its two semaphores."""
+    slots = [(tiling.RING_IN_SLOTS, d) for d in in_dtypes]
+    slots += [(tiling.RING_OUT_SLOTS, d) for d in out_dtypes]
+    return [pltpu.VMEM((count, block_rows, hidden), d) for count, d in slots] + [
+        pltpu.SemaphoreType.DMA((tiling.RING_IN_SLOTS,)),
+        pltpu.SemaphoreType.DMA((tiling.RING_OUT_SLOTS,)),
+    ]
+
+
 def _fwd_ring(operands, cfg, eps, gemma, has_residual, interpret):
     x2, w = operands[0], operands[-1]
     rows, hidden = x2.shape
@@ -393,19 +404,13 @@ def _fwd_ring(operands, cfg, eps, gemma, has_residual, interpret):
         rows=rows,
         block_rows=br,
     )
-    slots = lambda count: [pltpu.VMEM((count, br, hidden), x2.dtype) for _ in range(n)]  # noqa: E731
     itemsize = x2.dtype.itemsize
     return pl.pallas_call(
         kernel,
         in_specs=[hbm] * n + [pl.BlockSpec(memory_space=pltpu.VMEM)],
         out_specs=[hbm] * n,
         out_shape=[jax.ShapeDtypeStruct((rows, hidden), x2.dtype)] * n,
-        scratch_shapes=slots(tiling.RING_IN_SLOTS)
-        + slots(tiling.RING_OUT_SLOTS)
-        + [
-            pltpu.SemaphoreType.DMA((tiling.RING_IN_SLOTS,)),
-            pltpu.SemaphoreType.DMA((tiling.RING_OUT_SLOTS,)),
-        ],
+        scratch_shapes=_ring_scratch([x2.dtype] * n, [x2.dtype] * n, br, hidden),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(
             flops=4 * rows * hidden,
@@ -435,7 +440,6 @@ def _bwd_ring(operands, dtype, cfg, eps, gemma, has_ds, interpret):
     kernel = functools.partial(
         _bwd_ring_kernel, eps=eps, gemma=gemma, has_ds=has_ds, rows=rows, block_rows=br
     )
-    in_slots = [pltpu.VMEM((tiling.RING_IN_SLOTS, br, hidden), a.dtype) for a in operands[:n]]
     return pl.pallas_call(
         kernel,
         in_specs=[hbm] * n + [vmem],
@@ -444,13 +448,8 @@ def _bwd_ring(operands, dtype, cfg, eps, gemma, has_ds, interpret):
             jax.ShapeDtypeStruct((rows, hidden), dtype),
             jax.ShapeDtypeStruct((1, hidden), jnp.float32),
         ],
-        scratch_shapes=in_slots
-        + [
-            pltpu.VMEM((tiling.RING_OUT_SLOTS, br, hidden), dtype),
-            pltpu.SemaphoreType.DMA((tiling.RING_IN_SLOTS,)),
-            pltpu.SemaphoreType.DMA((tiling.RING_OUT_SLOTS,)),
-            pltpu.VMEM((8, hidden), jnp.float32),
-        ],
+        scratch_shapes=_ring_scratch([a.dtype for a in operands[:n]], [dtype], br, hidden)
+        + [pltpu.VMEM((8, hidden), jnp.float32)],
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(
             flops=10 * rows * hidden,

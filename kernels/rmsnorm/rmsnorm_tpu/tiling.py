@@ -25,7 +25,7 @@ MAX_BLOCK_ROWS = 2048
 F32_TEMPS = 4  # f32 copies of a block the kernel body keeps live (x, x*x/xhat, y, grad)
 
 
-# The forward's copy ring (kernel._fwd_ring_kernel): input slots per stream.
+# The copy ring both directions stream through (kernel._copy_ring): slots per stream.
 # Two blocks queued behind the one being normalised keep the HBM pipe busy
 # through each copy's fixed latency; with the BlockSpec pipeline's two slots a
 # step waited on its next block's latency whenever the vector work took as
@@ -41,8 +41,8 @@ RING_CHUNK_ROWS = 16
 @dataclasses.dataclass(frozen=True)
 class RMSNormConfig:
     """block_rows: rows a step (BlockSpec pipeline) or a ring block moves.
-    ring: the forward streams through kernel._fwd_ring_kernel's copy ring
-    (rows a multiple of the sublane tile and at least RING_MIN_BLOCKS blocks)."""
+    ring: the call streams through kernel._copy_ring's copy ring (rows a
+    multiple of the sublane tile and at least RING_MIN_BLOCKS blocks)."""
 
     block_rows: int
     vmem_limit_bytes: int
@@ -65,7 +65,7 @@ def ring_vmem_need(block_rows, hidden, in_itemsizes, out_itemsizes) -> int:
 
 
 def ring_config(rows, hidden, in_itemsizes, out_itemsizes, generation) -> RMSNormConfig | None:
-    """The forward's copy-ring blocks, or None where the BlockSpec pipeline is
+    """The copy ring's blocks, or None where the BlockSpec pipeline is
     used: rows not a multiple of the sublane tile (a ring block is copied
     whole, and Mosaic copies whole tiles), or fewer than RING_MIN_BLOCKS
     blocks (nothing to overlap)."""
