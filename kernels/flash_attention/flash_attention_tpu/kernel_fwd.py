@@ -299,7 +299,7 @@ def _run_pair(prm, i, j, flags, tile):
 # units, tpu7x 2,168 -> 2,037).
 
 
-def _unit_pairs(prm, i, j, flags, tile):
+def _unit_pairs(prm, i, j, flags, tile, full=None):
     """Dispatches one schedule step to tile(masked, a, k0, ck), a = unit index
     (a Python int: the units are unrolled).
 
@@ -322,6 +322,9 @@ def _unit_pairs(prm, i, j, flags, tile):
 
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
+        if full is not None:
+            full(units)
+            return
         for a in range(units):
             tile(False, a, 0, bkv)
 
@@ -356,18 +359,19 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         ones = lax.broadcasted_iota(jnp.int32, (ONES_ROWS, vt_ref.shape[1]), 0) == 0
         vt_ref[dv:, :] = ones.astype(vt_ref.dtype)
 
-    def tile(masked, a, k0, ck):
-        n, r0 = gb * unit, a * unit
-        q = _rows(q_ref, r0, unit).reshape(n, prm.head_dim)
+    def scores(masked, a, k0, ck):
+        q = _rows(q_ref, a * unit, unit).reshape(gb * unit, prm.head_dim)
         k = _keys(k_ref, k0, ck)
+        s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
+        return s
+
+    def update(masked, a, k0, ck, s):
         vt = vt_ref[...] if ck == vt_ref.shape[1] else vt_ref[:, pl.ds(k0, ck)]
         if masked:
             kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, k0, ck)
             if kv_tail:  # unspecified data past the end must not reach the matmul
                 vt = jnp.where(_key_valid_row(prm, j, k0, ck), vt, jnp.zeros_like(vt))
-        s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
-        if masked:
-            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, r0, unit)
+            qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, a * unit, unit)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             s = jnp.where(mask, s, NEG_INF)
         m_prev = m_ref[a]
@@ -379,7 +383,22 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         acc_ref[a] = alpha * acc_ref[a] + _dot_f32(vt, p.astype(vt.dtype), NN_DIMS, interpret)
         m_ref[a] = m_new
 
-    _unit_pairs(prm, i, j, flags, tile)
+    def tile(masked, a, k0, ck):
+        update(masked, a, k0, ck, scores(masked, a, k0, ck))
+
+    def pipelined(units_):
+        # The next unit's scores are issued before this unit's softmax, so
+        # the MXU, which runs its ops in program order, has the next QK
+        # matmul to work on while the VPU and EUP exponentiate this one.
+        bkv = g.block_kv
+        nxt = scores(False, 0, 0, bkv)
+        for a in range(units_):
+            s = nxt
+            if a + 1 < units_:
+                nxt = scores(False, a + 1, 0, bkv)
+            update(False, a, 0, bkv, s)
+
+    _unit_pairs(prm, i, j, flags, tile, pipelined)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
