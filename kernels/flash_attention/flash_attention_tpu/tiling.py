@@ -36,7 +36,12 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   transposed tiles: v6e d=128 at 256 / 512 / 1024 slab rows 3,129 / 2,410
   / 2,403 us (the row sums by the MXU later took 512 to 2,104); d=256
   3,041 -> 2,359 at 512; tpu7x d=128 512 / 1024 rows 2,037 / 2,126, d=256
-  without a slab 2,881, 512 rows 2,942.
+  without a slab 2,881, 512 rows 2,942. Once the forward issued the next
+  unit's QK matmul before this unit's softmax (kernel_fwd.py), more units
+  with longer key blocks paid on tpu7x at d >= 192: d=256 8k 2,881 -> 1,765
+  us, 2k 234.5 -> 171.7 (512-position q blocks, 1024-key blocks, 1024-row
+  slabs; d=192 8k 1,961 -> 1,812), and 1024-row slabs on v6e at d=256 (8k
+  2,132 -> 2,094, 2k 198.5 -> 193.0; d=192 stays at 512: 2,088 vs 2,136).
 * Backward blocks are smaller: the dK/dV kernel keeps four rows x block_kv
   f32 temporaries live (s, p, dp, ds).
 
@@ -124,16 +129,16 @@ BLOCK_TABLE = {
     ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
     ("v6e", "prefill", 128): _b(512, 512, 512, 512, slab=512),
     ("v6e", "prefill", 192): _b(512, 512, 256, 512, slab=512),
-    ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=512),
+    ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=1024),
     ("v6e", "long", 128): _b(512, 1024, 512, 1024, slab=512),
     ("v6e", "long", 192): _b(512, 1024, 256, 512, slab=512),
-    ("v6e", "long", 256): _b(512, 1024, 256, 512, slab=512),
+    ("v6e", "long", 256): _b(512, 1024, 256, 512, slab=1024),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
     ("tpu7x", "prefill", 128): _b(512, 1024, 512, 512, slab=512),
-    ("tpu7x", "prefill", 192): _b(512, 512, 256, 512),
-    ("tpu7x", "prefill", 256): _b(256, 512, 256, 512),
+    ("tpu7x", "prefill", 192): _b(512, 1024, 256, 512, slab=1024),
+    ("tpu7x", "prefill", 256): _b(512, 1024, 256, 512, slab=1024),
     ("tpu7x", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("tpu7x", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("tpu7x", "decode", 256): _b(64, 2048, 64, 512, 1024),
