@@ -304,6 +304,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm: the narrower last piece of an unaligned slab never computed",
     ),
     Mutant(
+        "gmm-vmem-lhs-rows",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "    need += rows * kp * (4 if is_quantized(w_dtype) else ib)",
+        "    need += rows * kp * (4 if is_quantized(w_dtype) else 0)",
+        (
+            "tests/ragged_dot/test_compile_gate.py::test_vmem_estimate_is_a_limit_mosaic_accepts"
+            "[vmem_limit_at_estimate-mixtral_8x7b-down-8192-fwd-v6e]",
+        ),
+        "gmm VMEM estimate: the row pass's lhs rows left out (blocks Mosaic cannot fit)",
+    ),
+    Mutant(
         "rd-hbm-view-ignored",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
         "    return swapped < as_given",

@@ -455,6 +455,10 @@ def _moe_decode_program(point) -> GateProgram:
 # unaligned whole-N slabs. (model, projection, tokens, kernel, generation)
 ESTIMATE_POINTS = [
     ("mixtral_8x7b", "down", 8192, "fwd", "v5e"),
+    # bf16 lhs rows counted at 2 bytes (not f32): 256-row blocks on v6e,
+    # 128-row on tpu7x, each within a few MiB of the budget.
+    ("mixtral_8x7b", "down", 8192, "fwd", "v6e"),
+    ("mixtral_8x7b", "down", 8192, "fwd", "tpu7x"),
     ("mixtral_8x7b", "down", 8192, "d_rhs", "v5e"),
     ("gpt_oss_20b", "gate_up", 8192, "d_lhs", "v6e"),
 ]

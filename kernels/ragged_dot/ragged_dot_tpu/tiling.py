@@ -405,7 +405,10 @@ def gmm_vmem_bytes(
     # Row passes: the lhs rows (cast), the f32 product(s), the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
-    need += rows * kp * 4
+    # The lhs rows are an f32 temporary only where they are scaled or
+    # quantized (quantized weights); else they are the rows as read, which
+    # for Mixtral's down projection (K = 14,336) is what sets its blocks.
+    need += rows * kp * (4 if is_quantized(w_dtype) else ib)
     p, _, tail = gmm_pieces(bn, GLU_PIECE if glu else widest_piece(w_dtype))
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += (2 * halves + 1) * rows * pp * 4 + rows * pp * ob
