@@ -305,6 +305,8 @@ def _unit_pairs(prm, i, j, flags, tile, full=None):
 
     Like _run_pair, but every tile covers exactly one state unit of
     `prm.unit` positions (its statistics and accumulator live per unit).
+    `full`, if given, runs a fully visible pair's units in its own order
+    instead (the forward's pipelined loop).
     """
     g = prm.geom
     bkv, unit = g.block_kv, prm.unit
@@ -323,7 +325,7 @@ def _unit_pairs(prm, i, j, flags, tile, full=None):
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
         if full is not None:
-            full(units)
+            full()
             return
         for a in range(units):
             tile(False, a, 0, bkv)
@@ -359,7 +361,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         ones = lax.broadcasted_iota(jnp.int32, (ONES_ROWS, vt_ref.shape[1]), 0) == 0
         vt_ref[dv:, :] = ones.astype(vt_ref.dtype)
 
-    def scores(masked, a, k0, ck):
+    def scores(a, k0, ck):
         q = _rows(q_ref, a * unit, unit).reshape(gb * unit, prm.head_dim)
         k = _keys(k_ref, k0, ck)
         s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
@@ -384,18 +386,18 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         m_ref[a] = m_new
 
     def tile(masked, a, k0, ck):
-        update(masked, a, k0, ck, scores(masked, a, k0, ck))
+        update(masked, a, k0, ck, scores(a, k0, ck))
 
-    def pipelined(units_):
+    def pipelined():
         # The next unit's scores are issued before this unit's softmax, so
         # the MXU, which runs its ops in program order, has the next QK
         # matmul to work on while the VPU and EUP exponentiate this one.
         bkv = g.block_kv
-        nxt = scores(False, 0, 0, bkv)
-        for a in range(units_):
+        nxt = scores(0, 0, bkv)
+        for a in range(units):
             s = nxt
-            if a + 1 < units_:
-                nxt = scores(False, a + 1, 0, bkv)
+            if a + 1 < units:
+                nxt = scores(a + 1, 0, bkv)
             update(False, a, 0, bkv, s)
 
     _unit_pairs(prm, i, j, flags, tile, pipelined)
