@@ -12,8 +12,17 @@ of the static schedule is counted once per execution, and the time spent
 waiting on DMAs comes from a small HBM model (one shared pipe at the device's
 bandwidth plus a fixed latency per DMA).
 
-What this cannot see, by construction: stalls the static schedule does not
-show (MXU result latency beyond what the scheduler planned for, VMEM bank
+The MXUs are the one vector resource it does model: the compiler's schedule
+issues matmul ops faster than an MXU can take them (a bf16 matmul of 16 rows
+in ~4 bundles per MXU on tpu7x, ~13 on v5e, against the 8 and 16 cycles the
+clock's own assumption of 2 and 1 rows per cycle gives), and the hardware
+then waits. Each `vmatmul` occupies its MXU for its rows / rows per cycle
+(`MxuModel`); an op issued while its MXU still has a queued op stalls the
+clock until the MXU takes it. So a kernel can never schedule faster than its
+matmul rows at the peak the clock was derived from.
+
+What this cannot see, by construction: other stalls the static schedule does
+not show (MXU result latency beyond what the scheduler planned for, VMEM bank
 conflicts), and anything that depends on vector data read back into scalar
 registers (counted as unknown; a branch on an unknown predicate falls through
 and is reported).
@@ -288,6 +297,44 @@ def slot_of(name: str) -> str:
 # ---------------------------------------------------------------- execution
 
 
+@dataclasses.dataclass(frozen=True)
+class MxuModel:
+    """How long a matmul op holds its MXU.
+
+    rows_per_cycle: rows of lhs one MXU takes per cycle at full width (the
+    same ASSUMPTION the clock is derived from, torch_bindings.tpu_info), for
+    16-bit operands; 8-bit ops take twice the rows at twice the rate (the
+    int8 / fp8 peaks are 2x bf16's), 32-bit ops half the rows.
+    queue: ops an MXU holds beyond the one it runs before the issuing bundle
+    waits (ASSUMPTION: 1).
+    """
+
+    rows_per_cycle: int
+    queue: int = 1
+
+    def cycles(self, name: str) -> int:
+        # One op streams one vreg of lhs rows: 8 sublanes of 32-bit words,
+        # i.e. 16 rows of 16-bit values or 32 of 8-bit ones.
+        if ".f32" in name or ".s32" in name:
+            return max(1, 8 // self.rows_per_cycle)
+        return max(1, 16 // self.rows_per_cycle)
+
+
+_MXU_ID = re.compile(r"\.mxu(\d+)")
+
+
+def _mxu_ops(bd: "Bundle", mxu: "MxuModel | None") -> list:
+    """(mxu index, cycles) of each matmul op the bundle issues."""
+    if mxu is None:
+        return []
+    out = []
+    for o in bd.ops:
+        if o.name.startswith("vmatmul"):
+            m = _MXU_ID.search(o.text) or _MXU_ID.search(o.name)
+            out.append((int(m.group(1)) if m else 0, mxu.cycles(o.name)))
+    return out
+
+
 @dataclasses.dataclass
 class HbmModel:
     """DMAs share one pipe at `bytes_per_cycle`; each completes `latency_cycles`
@@ -303,7 +350,7 @@ class LoopStat:
     end: int  # address of the last bundle (the branch's last delay slot)
     body_bundles: int
     iterations: int  # executions of the first bundle
-    cycles: int  # bundles executed inside the body, inner loops excluded
+    cycles: int  # bundles executed inside the body plus its MXU stalls, inner loops excluded
     slots: dict  # ops per slot class in one pass of the body (inner loops excluded)
     binding: str  # the slot class with the highest ops / capacity
     floor_bundles: float  # that slot's ops / capacity: the body's lower bound
@@ -311,14 +358,15 @@ class LoopStat:
 
 @dataclasses.dataclass
 class Result:
-    cycles: float  # bundles issued + cycles stalled on DMA waits
+    cycles: float  # bundles issued + cycles stalled on DMA waits and on the MXUs
     bundles: int
-    stall_cycles: float
+    stall_cycles: float  # waiting on DMAs
     dmas: int
     dma_bytes: int
     loops: list
     unknown_branches: int
     notes: list
+    mxu_stall_cycles: float = 0.0  # waiting for an MXU to take a matmul op
 
 
 def _memory_words(a, nbytes: int):
@@ -354,8 +402,13 @@ class _Machine:
         hbm: HbmModel,
         max_bundles: int,
         delay_rule: str = "fixed4",
+        mxu: MxuModel | None = None,
     ):
         self.b = bundles
+        self.mxu = mxu
+        self.mxu_free: dict = {}  # MXU index -> cycle its queue drains
+        self.mxu_stall = 0.0
+        self._mxu_memo: dict = {}
         self.delay = delay_slots(bundles, delay_rule)
         self.operands = operands  # index -> list[int] (scalar prefetch values) or None
         self.hbm = hbm
@@ -469,6 +522,41 @@ class _Machine:
         if t > self.cycle:
             self.stall += t - self.cycle
             self.cycle = t
+
+    # -- MXU occupancy
+    def _mxu_issue(self, ops: list, start: float) -> tuple[float, dict]:
+        """Issues (offset, mxu, cycles) ops of a straight run beginning at
+        `start`; returns the stall they cause and the MXUs' new drain times."""
+        free = dict(self.mxu_free)
+        stall = 0.0
+        q = self.mxu.queue
+        for off, x, c in ops:
+            t = start + off + stall
+            f = free.get(x, 0.0)
+            if f - t > q * c:  # its queue is full: wait until it takes one
+                stall += f - t - q * c
+                t = f - q * c
+            free[x] = max(f, t) + c
+        return stall, free
+
+    def mxu_run(self, pc: int, ops: list) -> float:
+        """Stall of a run of bundles at pc (its matmul ops `ops`), memoized on
+        the MXUs' backlog when the run starts: loops repeat the same state."""
+        t0 = self.cycle
+        key = (pc,) + tuple(
+            sorted((x, max(0.0, f - t0)) for x, f in self.mxu_free.items() if f > t0)
+        )
+        hit = self._mxu_memo.get(key)
+        if hit is None:
+            stall, free = self._mxu_issue(ops, t0)
+            hit = (stall, tuple((x, f - t0) for x, f in free.items()))
+            if len(self._mxu_memo) < 200_000:
+                self._mxu_memo[key] = hit
+        stall, rel = hit
+        for x, f in rel:
+            self.mxu_free[x] = t0 + f
+        self.mxu_stall += stall
+        return stall
 
     # -- scalar ALU
     def alu(self, op: Op):
@@ -598,6 +686,12 @@ class _Machine:
         next_live = [nb] * (nb + 1)
         for i in range(nb - 1, -1, -1):
             next_live[i] = i if live[i] else next_live[i + 1]
+        mx = [_mxu_ops(bd, self.mxu) for bd in bundles]
+        run_ops: dict = {}  # start of a vector-only run -> its matmul ops
+        for i in range(nb):
+            if not live[i] and (i == 0 or live[i - 1]):
+                run_ops[i] = [(j - i, x, c) for j in range(i, next_live[i]) for x, c in mx[j]]
+        self.stall_at = collections.Counter()  # bundle -> MXU stall cycles charged there
         diff = [0] * (nb + 1)
         pc = 0
         jump_to = None
@@ -610,12 +704,25 @@ class _Machine:
                 diff[pc] += 1
                 diff[k] -= 1
                 issued += step
+                ops = run_ops.get(pc)
+                if ops is None:  # entered mid-run (a branch target)
+                    ops = run_ops[pc] = [(j - pc, x, c) for j in range(pc, k) for x, c in mx[j]]
+                if ops:
+                    s = self.mxu_run(pc, ops)
+                    if s:
+                        self.stall_at[pc] += s
+                        self.cycle += s
                 self.cycle += step
                 pc = k
                 continue
             diff[pc] += 1
             diff[pc + 1] -= 1
             issued += 1
+            if mx[pc]:
+                s = self.mxu_run(-pc - 1, [(0, x, c) for x, c in mx[pc]])
+                if s:
+                    self.stall_at[pc] += s
+                    self.cycle += s
             self.cycle += 1
             if issued > self.max_bundles:
                 self.notes.add(f"stopped after {self.max_bundles} bundles")
@@ -700,7 +807,7 @@ class _Machine:
         for d in diff[:nb]:
             c += d
             counts.append(c)
-        loops = _loop_stats(bundles, counts, self.delay)
+        loops = _loop_stats(bundles, counts, self.delay, self.stall_at, self.mxu)
         return Result(
             self.cycle,
             issued,
@@ -710,6 +817,7 @@ class _Machine:
             loops,
             self.unknown_branches,
             sorted(self.notes),
+            self.mxu_stall,
         )
 
 
@@ -724,7 +832,13 @@ def _capacities(bundles: Iterable[Bundle]) -> dict:
     return cap
 
 
-def _loop_stats(bundles: list[Bundle], counts: list[int], delays: list[int]) -> list[LoopStat]:
+def _loop_stats(
+    bundles: list[Bundle],
+    counts: list[int],
+    delays: list[int],
+    stall_at: dict | None = None,
+    mxu: MxuModel | None = None,
+) -> list[LoopStat]:
     region_at = {}
     for i, bd in enumerate(bundles):
         for r in bd.starts:
@@ -748,9 +862,15 @@ def _loop_stats(bundles: list[Bundle], counts: list[int], delays: list[int]) -> 
     for k, (a, e) in enumerate(spans):
         own = [i for i in range(a, e + 1) if owner[i] == k]
         slots = collections.Counter()
+        busy = collections.Counter()
         for i in own:
             slots.update(slot_of(o.name) for o in bundles[i].ops)
+            for x, c in _mxu_ops(bundles[i], mxu):
+                busy[x] += c
         floors = {s: slots[s] / cap[s] for s in slots if cap[s]}
+        if busy:  # the busiest MXU's cycles: a floor no slot count shows
+            slots["mxu_cycles"] = max(busy.values())
+            floors["mxu_cycles"] = float(slots["mxu_cycles"])
         binding = max(floors, key=floors.get) if floors else "scalar"
         out.append(
             LoopStat(
@@ -758,7 +878,7 @@ def _loop_stats(bundles: list[Bundle], counts: list[int], delays: list[int]) -> 
                 bundles[e].addr,
                 len(own),
                 counts[a],
-                sum(counts[i] for i in own),
+                sum(counts[i] for i in own) + round(sum((stall_at or {}).get(i, 0) for i in own)),
                 dict(slots),
                 binding,
                 floors.get(binding, 0.0),
@@ -777,4 +897,7 @@ def simulate(
     operands the kernel reads into SMEM or scalar registers (scalar prefetch);
     others may be absent.
     """
-    return _Machine(parse(text), operands, hbm, max_bundles, DELAY_RULE[generation]).run()
+    from torch_bindings import tpu_info
+
+    mxu = MxuModel(tpu_info.facts(generation).mxu_rows_per_cycle)
+    return _Machine(parse(text), operands, hbm, max_bundles, DELAY_RULE[generation], mxu).run()

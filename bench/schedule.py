@@ -3,10 +3,11 @@
 Each launch is compiled ahead of time for the target generation with libtpu's
 low-level dump on (only the final bundle schedule is written), and that
 schedule is executed by `bench.llo` with the launch's real scalar-prefetch
-values: every loop runs its real trip count, every bundle costs a cycle, and
-DMA waits stall until a simple HBM model says the data is there.
+values: every loop runs its real trip count, every bundle costs a cycle, DMA
+waits stall until a simple HBM model says the data is there, and a matmul op
+waits while its MXU is still busy with earlier ones (`llo.MxuModel`).
 
-    time = (bundles issued + cycles stalled on DMA waits) / clock
+    time = (bundles issued + cycles stalled on DMA waits and MXUs) / clock
 
 The clock and the DMA latency are stated assumptions (`CLOCK_HZ`,
 `DMA_LATENCY_S`); the bandwidth is the device's. A bundle count is a lower
@@ -231,6 +232,7 @@ class LaunchSchedule:
     hot_loops: list  # [{start, body_bundles, iterations, cycles, binding, floor_bundles, slots}]
     unknown_branches: int
     notes: list
+    mxu_stall_cycles: float = 0.0  # matmul ops waiting for their MXU
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -312,6 +314,7 @@ def run_schedule(
         hot,
         res.unknown_branches,
         res.notes,
+        res.mxu_stall_cycles,
     )
 
 

@@ -309,3 +309,75 @@ def test_mxu_result_pops_are_one_slot_class_on_every_generation():
     assert llo.slot_of("vmatmul.mubr.bf16.gmra.mrb") == "mxu_matmul"
     assert llo.slot_of("vpop.erf") != "mxu_pop"
     assert llo.slot_of("vmul.f32") == "valu"
+
+
+def _matmuls(mxus, gap):
+    """One 16-row bf16 matmul per listed MXU, `gap` bundles apart."""
+    lines, addr = [], 0
+    for x in mxus:
+        lines.append(_bundle(addr, f"vmatmul.mubr.bf16.gmra.mrb[0].mxu{x} %v1_v1"))
+        addr += 1
+        for _ in range(gap - 1):
+            lines.append(_bundle(addr, ""))
+            addr += 1
+    return "\n".join(lines)
+
+
+def _run_mxu(text, rows_per_cycle=2):
+    mxu = llo.MxuModel(rows_per_cycle)
+    return llo._Machine(llo.parse(text), {}, HBM, 10_000, "fixed4", mxu).run()
+
+
+@pytest.mark.parametrize("rows_per_cycle", [1, 2])
+def test_matmuls_issued_faster_than_their_mxu_takes_them_wait(rows_per_cycle):
+    c = 16 // rows_per_cycle  # cycles a 16-row bf16 op holds its MXU
+    n = 40
+    burst = _run_mxu(_matmuls([0] * n, gap=1), rows_per_cycle)
+    # the MXU takes one op every c cycles; the queue lets the issue run one op ahead
+    assert burst.cycles == pytest.approx((n - 1) * c, abs=c)
+    assert burst.mxu_stall_cycles > 0
+    # two MXUs take alternate ops: half the time
+    both = _run_mxu(_matmuls([0, 1] * (n // 2), gap=1), rows_per_cycle)
+    assert both.cycles == pytest.approx(burst.cycles / 2, abs=c)
+    # issued at the MXU's own pace: no wait, one cycle a bundle
+    paced = _run_mxu(_matmuls([0] * n, gap=c), rows_per_cycle)
+    assert paced.mxu_stall_cycles == 0
+    assert paced.cycles == n * c
+
+
+def test_8bit_and_32bit_matmuls_hold_the_mxu_for_their_rows():
+    m = llo.MxuModel(2)
+    # 32 int8 rows at twice the rate: a bf16 op's time; 8 f32 rows: half of it
+    assert m.cycles("vmatmul.mubr.s8.gmra") == m.cycles("vmatmul.mubr.bf16.gmra") == 8
+    assert m.cycles("vmatmul.mubr.f32.gmra") == 4
+
+
+def _matmul_kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+def test_a_matmul_never_schedules_faster_than_its_mxus(generation):
+    """The compiler's schedule issues matmuls faster than the MXUs can take
+    them (on tpu7x a 16-row op every ~4 bundles per MXU, half the time the
+    clock's own 2 rows per cycle allows): the executor must hold the MXUs'
+    rate, so a matmul costs at least its flops at the peak the clock was
+    derived from, and not much more when nothing else binds."""
+    _require_dumps()
+    from torch_bindings import tpu_info
+
+    m, k, n = 512, 1024, 1024
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
+
+    def f(a, b):
+        return pl.pallas_call(
+            _matmul_kernel,
+            out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+            compiler_params=pltpu.CompilerParams(vmem_limit_bytes=48 << 20),
+        )(a, b)
+
+    (launch,) = tracing.trace_launches(f, *args)
+    s = schedule.schedule_launch(launch, generation)
+    floor = 2 * m * k * n / tpu_info.facts(generation).mxu_flops_per_cycle
+    compute = s.cycles - s.stall_cycles  # the DMAs of a grid-less call are not overlapped
+    assert floor <= compute <= 1.35 * floor, (compute, floor, s.mxu_stall_cycles)
