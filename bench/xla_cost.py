@@ -194,7 +194,8 @@ def _lacks(hit: Compiled, want_cycles: bool, want_schedule: bool) -> bool:
 # stale figures. 2: a Pallas kernel with several outputs is no longer also
 # charged as an XLA fusion (xla_fusions._CUSTOM_CALL). 3: gathers and scatters
 # offloaded to the SparseCore are charged their bytes (xla_fusions.offloaded_bytes).
-INSTRUMENT_VERSION = 3
+# 4: each MXU held to its rate (llo.MxuModel), XLA fusions' matmuls included.
+INSTRUMENT_VERSION = 4
 
 
 def source_fingerprint() -> str:

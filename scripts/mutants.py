@@ -315,6 +315,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm VMEM estimate: the row pass's lhs rows left out (blocks Mosaic cannot fit)",
     ),
     Mutant(
+        "gmm-piece-offset-past-4",
+        "kernels/ragged_dot/ragged_dot_tpu/kernel_gmm.py",
+        "columns(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)",
+        "columns(pl.multiple_of(jnp.minimum(c, 4) * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)",
+        ("tests/ragged_dot/test_gmm.py::test_gmm_glu_epilogue_matches_reference",),
+        "gmm: a slab's fifth and later pieces (unrolled 6 or 4 a body) write the fifth's columns",
+    ),
+    Mutant(
+        "llo-mxu-rate-ignored",
+        "bench/llo.py",
+        "            if f - t > q * c:  # its queue is full: wait until it takes one",
+        "            if False:  # its queue is full: wait until it takes one",
+        ("tests/bench/test_llo.py::test_matmuls_issued_faster_than_their_mxu_takes_them_wait",),
+        "scheduled time: matmul ops issued faster than their MXU takes them never wait",
+    ),
+    Mutant(
         "rd-hbm-view-ignored",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
         "    return swapped < as_given",

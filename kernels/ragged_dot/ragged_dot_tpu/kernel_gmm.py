@@ -184,10 +184,10 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit):
             emit(pl.multiple_of(r0 + taken * sub, sub), rows_b)
 
 
-def for_each_piece(n_pieces, piece, unroll=False):
-    """Runs piece(c, carry) over the column pieces of a slab (unrolled when one,
-    or when asked: the scheduler then overlaps one piece's epilogue with the
-    next piece's MXU work)."""
+def for_each_piece(n_pieces, piece, unroll=1):
+    """Runs piece(c, carry) over the column pieces of a slab, `unroll` pieces
+    to a loop body (the scheduler overlaps one piece's epilogue with the next
+    piece's MXU work within a body, not across bodies)."""
     if n_pieces == 1:
         piece(0, 0)
     else:
@@ -488,7 +488,7 @@ def _gmm_kernel(
                 columns(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)
                 return carry
 
-            for_each_piece(n_pieces, piece, unroll=n_pieces <= 4)
+            for_each_piece(n_pieces, piece, unroll=tiling.piece_unroll(n_pieces))
             if tail_n:
                 columns(n_pieces * piece_n, tail_n)
 
