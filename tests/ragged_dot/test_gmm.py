@@ -583,9 +583,7 @@ def glu_problems(draw):
 @example((jnp.float32, True, 37, 128, 176, [20, 17], "gpt_oss", None, 2))
 # Slabs of 6 and 10 GLU pieces: all unrolled into one loop body, and 4 a body
 # with a remainder of 2 (tiling.piece_unroll).
-@example(
-    (jnp.bfloat16, False, 24, 40, 1536, [9, 15], "silu", tiling.GmmConfig(16, 1536, 16), 3)
-)
+@example((jnp.bfloat16, False, 24, 40, 1536, [9, 15], "silu", tiling.GmmConfig(16, 1536, 16), 3))
 @example((jnp.bfloat16, False, 24, 40, 2560, [24], "gelu", tiling.GmmConfig(16, 2560, 16), 4))
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(glu_problems())
