@@ -330,7 +330,7 @@ def _mxu_ops(bd: "Bundle", mxu: "MxuModel | None") -> list:
     out = []
     for o in bd.ops:
         if o.name.startswith("vmatmul"):
-            m = _MXU_ID.search(o.text) or _MXU_ID.search(o.name)
+            m = _MXU_ID.search(o.text)
             out.append((int(m.group(1)) if m else 0, mxu.cycles(o.name)))
     return out
 
@@ -687,6 +687,7 @@ class _Machine:
         for i in range(nb - 1, -1, -1):
             next_live[i] = i if live[i] else next_live[i + 1]
         mx = [_mxu_ops(bd, self.mxu) for bd in bundles]
+        own_ops = [[(0, x, c) for x, c in m] for m in mx]  # a live bundle's, as a run of one
         run_ops: dict = {}  # start of a vector-only run -> its matmul ops
         for i in range(nb):
             if not live[i] and (i == 0 or live[i - 1]):
@@ -719,7 +720,7 @@ class _Machine:
             diff[pc + 1] -= 1
             issued += 1
             if mx[pc]:
-                s = self.mxu_run(-pc - 1, [(0, x, c) for x, c in mx[pc]])
+                s = self.mxu_run(-pc - 1, own_ops[pc])
                 if s:
                     self.stall_at[pc] += s
                     self.cycle += s
@@ -807,7 +808,7 @@ class _Machine:
         for d in diff[:nb]:
             c += d
             counts.append(c)
-        loops = _loop_stats(bundles, counts, self.delay, self.stall_at, self.mxu)
+        loops = _loop_stats(bundles, counts, self.delay, self.stall_at, mx)
         return Result(
             self.cycle,
             issued,
@@ -837,8 +838,9 @@ def _loop_stats(
     counts: list[int],
     delays: list[int],
     stall_at: dict | None = None,
-    mxu: MxuModel | None = None,
+    mx: list | None = None,
 ) -> list[LoopStat]:
+    """mx: each bundle's matmul ops as (MXU, cycles) (`_mxu_ops`), or None."""
     region_at = {}
     for i, bd in enumerate(bundles):
         for r in bd.starts:
@@ -865,7 +867,7 @@ def _loop_stats(
         busy = collections.Counter()
         for i in own:
             slots.update(slot_of(o.name) for o in bundles[i].ops)
-            for x, c in _mxu_ops(bundles[i], mxu):
+            for x, c in mx[i] if mx else ():
                 busy[x] += c
         floors = {s: slots[s] / cap[s] for s in slots if cap[s]}
         if busy:  # the busiest MXU's cycles: a floor no slot count shows

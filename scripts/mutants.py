@@ -316,7 +316,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "gmm-piece-offset-past-4",
-        "kernels/ragged_dot/ragged_dot_tpu/kernel_gmm.py",
+        GMM,
         "columns(pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)",
         "columns(pl.multiple_of(jnp.minimum(c, 4) * piece_n, piece_n) if n_pieces > 1 else 0, piece_n)",
         ("tests/ragged_dot/test_gmm.py::test_gmm_glu_epilogue_matches_reference",),

@@ -57,8 +57,8 @@ def _loop_program(delay_pad: int) -> str:
     return "\n".join(lines)
 
 
-def _run(text, values, rule="fixed4"):
-    return llo._Machine(llo.parse(text), values, HBM, 10_000, rule).run()
+def _run(text, values, rule="fixed4", mxu=None):
+    return llo._Machine(llo.parse(text), values, HBM, 10_000, rule, mxu).run()
 
 
 @pytest.mark.parametrize("trips", [1, 3, 9])
@@ -323,24 +323,20 @@ def _matmuls(mxus, gap):
     return "\n".join(lines)
 
 
-def _run_mxu(text, rows_per_cycle=2):
-    mxu = llo.MxuModel(rows_per_cycle)
-    return llo._Machine(llo.parse(text), {}, HBM, 10_000, "fixed4", mxu).run()
-
-
 @pytest.mark.parametrize("rows_per_cycle", [1, 2])
 def test_matmuls_issued_faster_than_their_mxu_takes_them_wait(rows_per_cycle):
     c = 16 // rows_per_cycle  # cycles a 16-row bf16 op holds its MXU
+    mxu = llo.MxuModel(rows_per_cycle)
     n = 40
-    burst = _run_mxu(_matmuls([0] * n, gap=1), rows_per_cycle)
+    burst = _run(_matmuls([0] * n, gap=1), {}, mxu=mxu)
     # the MXU takes one op every c cycles; the queue lets the issue run one op ahead
     assert burst.cycles == pytest.approx((n - 1) * c, abs=c)
     assert burst.mxu_stall_cycles > 0
     # two MXUs take alternate ops: half the time
-    both = _run_mxu(_matmuls([0, 1] * (n // 2), gap=1), rows_per_cycle)
+    both = _run(_matmuls([0, 1] * (n // 2), gap=1), {}, mxu=mxu)
     assert both.cycles == pytest.approx(burst.cycles / 2, abs=c)
     # issued at the MXU's own pace: no wait, one cycle a bundle
-    paced = _run_mxu(_matmuls([0] * n, gap=c), rows_per_cycle)
+    paced = _run(_matmuls([0] * n, gap=c), {}, mxu=mxu)
     assert paced.mxu_stall_cycles == 0
     assert paced.cycles == n * c
 
