@@ -315,14 +315,26 @@ def gmm_pieces(block_n: int, widest: int = 512) -> tuple[int, int, int]:
     return p, block_n // p, 0
 
 
-def piece_unroll(n_pieces: int) -> int:
+def piece_unroll(n_pieces: int, widened: bool = False) -> int:
     """Pieces of a slab per loop body of gmm's piece loop.
 
     The scheduler overlaps a piece's epilogue (pops, activation, stores) and
     the next piece's first weight push with MXU work only inside one body;
     across bodies the MXU idles ~300 bundles a piece on v6e. Mixtral's gate/up
     at 8,192 tokens (8 GLU pieces a slab), v6e, scheduled: 1 a body 5,127 us,
-    2: 4,853, 4: 4,728, all 8: 4,588 (its flops take 4,183)."""
+    2: 4,853, 4: 4,728, all 8: 4,588 (its flops take 4,183).
+
+    Wider slabs go 4 a body: GPT-OSS's 11-piece slabs (v6e, 8,192 tokens:
+    the layer 4,438 -> 4,011 us against one a body).
+
+    The unrolled body costs compile time, paid in every user's first call and
+    in the compile gate: `widened` weights (int8 / fp8 / FP4, converted piece
+    by piece on the VPU) stay one piece a body past 4 pieces, as they were
+    before the wider unroll: GPT-OSS's 22-piece FP4 gate/up slab (64 tokens,
+    v5e) compiled in 29.5 s of CPU at 4 a body, 8.6 at one (its FP4 MoE
+    layer, v6e: 136.2 and 40.1)."""
+    if widened:
+        return n_pieces if n_pieces <= 4 else 1
     return n_pieces if n_pieces <= 8 else 4
 
 
