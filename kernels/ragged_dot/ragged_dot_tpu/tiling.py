@@ -324,18 +324,16 @@ def piece_unroll(n_pieces: int, widened: bool = False) -> int:
     at 8,192 tokens (8 GLU pieces a slab), v6e, scheduled: 1 a body 5,127 us,
     2: 4,853, 4: 4,728, all 8: 4,588 (its flops take 4,183).
 
-    Wider slabs go 4 a body: GPT-OSS's 11-piece slabs (v6e, 8,192 tokens:
-    the layer 4,438 -> 4,011 us against one a body).
-
-    The unrolled body costs compile time, paid in every user's first call and
-    in the compile gate: `widened` weights (int8 / fp8 / FP4, converted piece
-    by piece on the VPU) stay one piece a body past 4 pieces, as they were
-    before the wider unroll: GPT-OSS's 22-piece FP4 gate/up slab (64 tokens,
-    v5e) compiled in 29.5 s of CPU at 4 a body, 8.6 at one (its FP4 MoE
-    layer, v6e: 136.2 and 40.1)."""
-    if widened:
-        return n_pieces if n_pieces <= 4 else 1
-    return n_pieces if n_pieces <= 8 else 4
+    The unrolled body costs compile time, paid in a user's first call at each
+    new shape and in the compile gate, about in proportion to the pieces a
+    body: that 8-piece slab compiled in 2.0 s of CPU at one a body, 3.7 at 2,
+    7.5 at 4, 17.0 at 8 (v5e). Slabs of up to 4 pieces are unrolled whole,
+    wider ones 2 a body; `widened` weights (int8 / fp8 / FP4, converted piece
+    by piece on the VPU) one a body past 4 (GPT-OSS's 22-piece FP4 slab, 64
+    tokens, v5e: 29.5 s at 4 a body, 8.6 at one)."""
+    if n_pieces <= 4:
+        return n_pieces
+    return 1 if widened else 2
 
 
 def piece(block_n: int, widest: int = 512) -> int:
