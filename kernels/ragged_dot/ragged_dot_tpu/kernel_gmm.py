@@ -74,9 +74,10 @@ halves; each stream item carries, piece by piece, a piece's gate columns
 beside its up columns (two DMAs a piece), so one MXU pass of twice the piece
 width yields both and act(gate) * up is stored: [M, N/2]. Each product is
 rounded to the output dtype first, as the unfused program rounds its
-projection. The pieces of a slab are unrolled (up to 8: tiling.piece_unroll),
-so one piece's epilogue overlaps the next piece's MXU work (unrolling helps the plain
-product too: 8,192 Qwen3 tokens, down projection, tpu7x 362 -> 307 us).
+projection. The pieces of a slab are unrolled (whole up to 4 pieces, else 2
+a body: tiling.piece_unroll), so one piece's epilogue overlaps the next
+piece's MXU work (unrolling helps the plain product too: 8,192 Qwen3
+tokens, down projection, tpu7x 362 -> 307 us).
 
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it

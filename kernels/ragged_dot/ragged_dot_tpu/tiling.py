@@ -328,9 +328,10 @@ def piece_unroll(n_pieces: int, widened: bool = False) -> int:
     new shape and in the compile gate, about in proportion to the pieces a
     body: that 8-piece slab compiled in 2.0 s of CPU at one a body, 3.7 at 2,
     7.5 at 4, 17.0 at 8 (v5e). Slabs of up to 4 pieces are unrolled whole,
-    wider ones 2 a body; `widened` weights (int8 / fp8 / FP4, converted piece
-    by piece on the VPU) one a body past 4 (GPT-OSS's 22-piece FP4 slab, 64
-    tokens, v5e: 29.5 s at 4 a body, 8.6 at one)."""
+    wider ones 2 a body; `widened` (weights with scales: int8 / fp8 widened
+    or FP4 decoded piece by piece on the VPU, w8a8's scaled products) one a
+    body past 4 (GPT-OSS's 22-piece FP4 slab, 64 tokens, v5e: 29.5 s at 4 a
+    body, 8.6 at one)."""
     if n_pieces <= 4:
         return n_pieces
     return 1 if widened else 2
