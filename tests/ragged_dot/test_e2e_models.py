@@ -127,6 +127,16 @@ def _assert_same_model(ours, ref, calls):
     return ids
 
 
+def _checkpoint_tensors(path, suffix):
+    """The tensors of the checkpoint at `path` whose names end with `suffix`."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(path.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return {k: v for k, v in sd.items() if k.endswith(suffix)}
+
+
 def _dequantized(weight, scale_inv, block):
     """FP8Experts weights in f32: per 128 x 128 block, or per tensor (gate_up's halves)."""
     s = scale_inv.float()
@@ -374,7 +384,16 @@ def test_fp8_checkpoint_loads_fp8_experts_on_a_host_without_cuda(
     from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
     from transformers.quantizers import quantizer_finegrained_fp8
 
-    sizes = dict(hidden_size=128, head_dim=32, moe_intermediate_size=128, num_experts=4)
+    # Every quantized Linear 128-aligned, k_proj and v_proj included (4 KV heads
+    # of 32): transformers' quantize-on-load leaves a smaller Linear's block
+    # scale unwritten (torch.empty), and a NaN there made both models NaN.
+    sizes = dict(
+        hidden_size=128,
+        head_dim=32,
+        num_key_value_heads=4,
+        moe_intermediate_size=128,
+        num_experts=4,
+    )
     _save_tiny("qwen3_moe", tmp_path / "bf16", **sizes)
     # The checkpoint, quantized by transformers' own quantizer (its environment
     # check lifted only to write it: quantizing needs no CUDA, its matmuls do).
@@ -390,6 +409,8 @@ def test_fp8_checkpoint_loads_fp8_experts_on_a_host_without_cuda(
         AutoModelForCausalLM.from_pretrained(
             tmp_path / "bf16", quantization_config=quant, dtype=torch.float32
         ).save_pretrained(tmp_path / "fp8")
+    scales = _checkpoint_tensors(tmp_path / "fp8", "_scale_inv")
+    assert scales and all(bool(torch.isfinite(s).all() and (s > 0).all()) for s in scales.values())
 
     # transformers' own loader, no CUDA here: it dequantizes the Linears. Its
     # experts come back as the FP8 bytes without their scales (the checkpoint
