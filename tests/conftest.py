@@ -183,11 +183,7 @@ def pytest_collection_finish(session):
     share = None
     workerinput = getattr(session.config, "workerinput", None)
     if workerinput is not None:
-        share = gate.Share(
-            workerinput["gate_share"],
-            int(workerinput["workerid"].removeprefix("gw")),
-            int(workerinput["workercount"]),
-        )
+        share = gate.Share(workerinput["gate_share"])
     gate.start_session_pool(session.items, share)
 
 

@@ -166,29 +166,35 @@ def test_workers_start_without_compiler_dumps(monkeypatch):
         pool.close()
 
 
-def test_test_processes_split_the_matrix_and_share_results(tmp_path):
-    """Under pytest-xdist each test process compiles its own part of the
-    matrix once, and reads the other parts' results from the shared folder."""
+def test_test_processes_share_one_queue_and_their_results(tmp_path):
+    """Under pytest-xdist the test processes' pools work through one queue:
+    every point is compiled once, by whichever pool claims it first, and
+    every process reads every result from the shared folder."""
     module = tmp_path / "fake_gate_module.py"
     module.write_text(
-        "import os\n"
+        "import os, time\n"
         "def gate_program(point):\n"
+        "    time.sleep(0.2)\n"
         "    raise ValueError(f'{point} ran in {os.getpid()}')\n"
     )
-    keyed = [(str(module), p) for p in ("p0", "p1", "p2", "p3")]
-    shares = [gate.Share(str(tmp_path / "share"), i, 2) for i in range(2)]
+    keyed = [(str(module), f"p{i}") for i in range(8)]
+    shares = [gate.Share(str(tmp_path / "share")) for _ in range(2)]
     for share in shares:
         share.WAIT_S = 60.0  # a result that never comes fails here, not in an hour
     pools = [gate.CompilePool(keyed, workers=1, share=share) for share in shares]
     try:
-        assert sorted(pools[0].futures) == [keyed[0], keyed[2]]
-        assert sorted(pools[1].futures) == [keyed[1], keyed[3]]
         pid = [p.pool.submit(os.getpid).result() for p in pools]
-        for point, owner in (("p0", 0), ("p1", 1), ("p2", 0), ("p3", 1)):
-            for reader in pools:
-                r = reader.result(str(module), point)
-                assert not r.ok and r.error == f"ValueError: {point} ran in {pid[owner]}"
-        assert len(pools[0].futures) == len(pools[1].futures) == 2  # nothing compiled twice
+        seen = {}
+        for point in (p for _, p in keyed):
+            errors = {reader.result(str(module), point).error for reader in pools}
+            assert len(errors) == 1  # both processes read the one result
+            (error,) = errors
+            owner = [i for i in range(2) if error == f"ValueError: {point} ran in {pid[i]}"]
+            assert len(owner) == 1, error
+            seen[point] = owner[0]
+        ran = [sorted(k[1] for k, f in p.futures.items() if f.result() is not None) for p in pools]
+        assert sorted(ran[0] + ran[1]) == sorted(seen)  # each point compiled once
+        assert ran[0] and ran[1]  # and both pools took some
     finally:
         for p in pools:
             p.close()
