@@ -312,13 +312,13 @@ class CompilePool:
                 fut.add_done_callback(lambda f, key=key: self.share.put(key, f))
             self.futures[key] = fut
 
-    def _done(self) -> list[PointResult]:
+    def _done(self) -> dict[tuple[str, Any], PointResult]:
         """This pool's finished points (not those another pool claimed)."""
-        return [
-            f.result()
-            for f in self.futures.values()
+        return {
+            key: f.result()
+            for key, f in self.futures.items()
             if f.done() and not f.cancelled() and f.exception() is None and f.result()
-        ]
+        }
 
     def result(self, module_file: str, point) -> PointResult:
         key = (str(module_file), point)
@@ -341,7 +341,7 @@ class CompilePool:
         return r
 
     def summary(self) -> str:
-        done = self._done()
+        done = list(self._done().values())
         compiled = [r for r in done if r.compiled]
         missed = sum(1 for r in compiled if r.note)
         return (
@@ -357,11 +357,9 @@ class CompilePool:
         import json
 
         with open(path, "w") as f:
-            for (module_file, point), fut in self.futures.items():
-                if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result():
-                    r = fut.result()
-                    row = dict(module=os.path.basename(module_file), point=list(point))
-                    f.write(json.dumps({**row, **dataclasses.asdict(r)}) + "\n")
+            for (module_file, point), r in self._done().items():
+                row = dict(module=os.path.basename(module_file), point=list(point))
+                f.write(json.dumps({**row, **dataclasses.asdict(r)}) + "\n")
 
     def close(self) -> None:
         # A shared part is finished even when this process needs no more of
