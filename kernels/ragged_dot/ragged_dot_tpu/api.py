@@ -18,8 +18,9 @@ import jax
 
 import jax.numpy as jnp
 
-from . import checks, moe, mxfp4, tiling
-from .kernel_gmm import gmm
+from . import checks, moe, mxfp4, pairs, tiling
+from .kernel_combine import combine
+from .kernel_gmm import gmm, resolve_config
 from .kernel_moe_decode import fused_moe_decode
 from .kernel_tgmm import tgmm
 from ._torch_bindings.vjp import differentiable, split_vjp
@@ -335,11 +336,12 @@ def _moe_program(
     config,
     interpret,
     quantize_activations=False,
-    fuse_glu=False,
+    inference=False,
 ):
-    """The two-launch layer. fuse_glu: where _glu_fusable allows, the gate/up
-    gmm applies the activation in its epilogue (not differentiable: the
-    primal's choice)."""
+    """The two-launch layer. inference (the primal's choice: not
+    differentiable): where _glu_fusable allows, the gate/up gmm applies the
+    activation in its epilogue; where _combine_fusable allows, the down gmm
+    writes packed rows and kernel_combine sums each token's."""
     configs = dict(zip(("up", "down"), _moe_configs(config)))
     scales = {"up": gate_up_scale, "down": down_scale}
     zero = jnp.zeros((), jnp.int32)
@@ -372,9 +374,33 @@ def _moe_program(
             glu=(activation, alpha, limit),
         )
 
+    def down_combine(x, w, group_sizes, slots, weights):
+        w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
+        scale, scale_axis = _kernel_scale(down_scale, swapped, "n")
+        rows = gmm(
+            x,
+            w,
+            group_sizes,
+            group_offset=zero,
+            rhs_scale=scale,
+            scale_axis=scale_axis,
+            transpose_rhs=transpose_rhs,
+            config=_configs(configs["down"])[0],
+            interpret=interpret,
+            packed=True,
+        )
+        return combine(
+            rows,
+            slots,
+            weights,
+            hidden=hidden.shape[1],
+            out_dtype=hidden.dtype,
+            interpret=interpret,
+        )
+
     # A MoeConfig's gate/up blocks are for the unfused product: kept as given.
     fused = (
-        fuse_glu
+        inference
         and not isinstance(config, tiling.MoeConfig)
         and _glu_fusable(
             gate_up, gate_up_bias, gate_up_scale, has_gate, is_transposed, is_concatenated
@@ -390,6 +416,19 @@ def _moe_program(
         down_bias,
         matmul=matmul,
         matmul_glu=matmul_glu if fused and not quantize_activations else None,
+        down_combine=down_combine
+        if inference
+        and not quantize_activations
+        and _combine_fusable(
+            hidden,
+            top_k_index,
+            down,
+            down_bias,
+            down_scale,
+            is_transposed,
+            _configs(configs["down"])[0],
+        )
+        else None,
         num_experts=num_experts,
         has_gate=has_gate,
         is_concatenated=is_concatenated,
@@ -411,6 +450,29 @@ def _glu_fusable(gate_up, bias, scale, has_gate, is_transposed, is_concatenated)
     n = w.shape[1] if transpose_rhs else w.shape[2]
     sub = tiling.sublane(gate_up.dtype)
     return n % 2 == 0 and tiling.glu_fusable(n // 2, transpose_rhs, gate_up.dtype, sub)
+
+
+def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, config) -> bool:
+    """Whether the down gmm can write its rows packed for kernel_combine
+    (gmm's packed=True): bf16 hidden states and projection, no down bias, H
+    a multiple of 2048 (pairs.rows_packable), not FP4 weights, and the down
+    gmm's blocks (as given or as tiling picks them) covering all of H."""
+    h = hidden.shape[1]
+    if (
+        hidden.dtype != jnp.bfloat16
+        or bias is not None
+        or mxfp4.is_mxfp4(down.dtype)
+        or not pairs.rows_packable(h)
+    ):
+        return False
+    out_dtype = down.dtype if jnp.dtype(down.dtype).itemsize > 1 else hidden.dtype
+    if out_dtype != jnp.bfloat16:
+        return False
+    w, transpose_rhs, _ = _hbm_view(down, not is_transposed)
+    k, n = (w.shape[2], w.shape[1]) if transpose_rhs else w.shape[1:]
+    m = top_k_index.shape[0] * top_k_index.shape[1]
+    cfg = resolve_config(config, m, k, n, w.shape[0], hidden.dtype, w.dtype, out_dtype)
+    return n == h and cfg.block_n == n
 
 
 # Forward and backward rules of the whole layer: jax.vjp's residuals of the
@@ -507,7 +569,7 @@ def moe_experts_primal(*arrays, **statics):
     gmm's epilogue where that applies (nothing is kept for a backward)."""
     if _fused_config(arrays, statics) is not None:
         return moe_experts_fwd(*arrays, **statics)[0]
-    return _moe_program(*arrays, **statics, fuse_glu=True)
+    return _moe_program(*arrays, **statics, inference=True)
 
 
 def moe_experts_bwd(arrays, outputs, residuals, cotangents, **statics):

@@ -95,10 +95,10 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from . import moe, mxfp4, tiling, w8a8
+from . import moe, mxfp4, pairs, tiling, w8a8
 
 
-def _resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False):
+def resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False):
     if isinstance(config, tiling.GmmConfig):
         return config
     if config is None or isinstance(config, str):
@@ -220,6 +220,7 @@ def _gmm_kernel(
     trace,
     quantize_lhs=False,
     glu=None,
+    packed=False,
 ):
     if scale_axis:
         scale_hbm, out_ref, *rest = rest
@@ -477,6 +478,20 @@ def _gmm_kernel(
             return jnp.logical_and(ridx >= r_lo, ridx < r_hi)
 
         def store(r0, size, c0, width, y, keep):
+            if packed:
+                # pairs.pack_rows: each 256-column group of the piece is one
+                # row of words a token, every ng-th row of the block.
+                ng = block_n // pairs.GROUP
+                half = pairs.GROUP // 2
+                for gg in range(width // pairs.GROUP):
+                    g = lax.div(c0, pairs.GROUP) + gg
+                    words = pairs.pack_halves(
+                        y[:, gg * pairs.GROUP : gg * pairs.GROUP + half],
+                        y[:, gg * pairs.GROUP + half : (gg + 1) * pairs.GROUP],
+                    )
+                    dst = (pl.ds(r0 * ng + g, size, stride=ng), slice(None))
+                    out_ref[dst] = jnp.where(keep, words, out_ref[dst])
+                return
             dst = (pl.ds(r0, size), pl.ds(c0, width))
             out_ref[dst] = jnp.where(keep, y.astype(out_ref.dtype), out_ref[dst])
 
@@ -595,6 +610,7 @@ def _gmm_kernel(
         "_trace",
         "quantize_lhs",
         "glu",
+        "packed",
     ),
 )
 def gmm(
@@ -612,6 +628,7 @@ def gmm(
     _trace=False,
     quantize_lhs=False,
     glu=None,
+    packed=False,
 ):
     """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
@@ -645,6 +662,11 @@ def gmm(
         layout; tiling.glu_fusable says which); the output is
         act(gate) * up, [M, N/2], each product rounded to the output dtype
         before the activation (in f32). Unquantized rhs only.
+      packed: the bf16 output written as pairs.pack_rows lays it out, uint32
+        [M * N/256, 128] (N the output's columns): each row's words are
+        contiguous, for the combine kernel to fetch by DMA. Needs a bf16
+        output, N a multiple of 2048 (pairs.rows_packable) and the whole of
+        N in one block.
 
     Returns:
       [M, N] ([M, N/2] with glu); rows outside this shard's groups (and past the sum) are zero.
@@ -732,15 +754,28 @@ def gmm(
     else:
         compute_dtype = rhs.dtype
     out_dtype = jnp.dtype(preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype))
+    if packed and (out_dtype != jnp.bfloat16 or not pairs.rows_packable(n_out)):
+        raise ValueError(
+            "gmm: packed needs a bfloat16 output of N a multiple of 2048 columns; got"
+            f" {out_dtype.name}, N={n_out}"
+        )
     if m == 0 or n_out == 0 or k == 0 or num_local == 0 or num_groups == 0:
-        out = jnp.zeros((m, n_out), out_dtype)
+        if packed:
+            out = jnp.zeros((m * n_out // pairs.GROUP, pairs.GROUP // 2), jnp.uint32)
+        else:
+            out = jnp.zeros((m, n_out), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
-    cfg = _resolve_config(
+    cfg = resolve_config(
         config, m, k, n_out, num_local, lhs.dtype, w_dtype, out_dtype, glu=glu is not None
     )
     sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n_out, sub)
     bm, bn = cfg.block_m, cfg.block_n
+    if packed and bn != n_out:
+        raise ValueError(
+            f"gmm: packed needs the whole of N in one block: config.block_n expected {n_out},"
+            f" got {bn}"
+        )
     chunk = min(cfg.chunk_m, bm)
     tiles = pl.cdiv(m, bm)
     n_blocks = pl.cdiv(n_out, bn)
@@ -765,8 +800,13 @@ def gmm(
     ]
     if quantized:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
-    out_shape = [jax.ShapeDtypeStruct((m, n_out), out_dtype)]
+    if packed:
+        ng = n_out // pairs.GROUP
+        out_specs = [pl.BlockSpec((bm * ng, pairs.GROUP // 2), out_map, **out_single)]
+        out_shape = [jax.ShapeDtypeStruct((m * ng, pairs.GROUP // 2), jnp.uint32)]
+    else:
+        out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
+        out_shape = [jax.ShapeDtypeStruct((m, n_out), out_dtype)]
     if _trace:
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         out_shape.append(jax.ShapeDtypeStruct((n_blocks * num_local + 1,), jnp.int32))
@@ -820,6 +860,7 @@ def gmm(
         trace=_trace,
         quantize_lhs=quantize_lhs,
         glu=glu,
+        packed=packed,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(

@@ -117,12 +117,18 @@ def experts_program(
     limit,
     routing="auto",
     matmul_glu=None,
+    down_combine=None,
 ):
     """routing: "auto" (tiling.route_by_matmul decides) or "gather" (always
     gathers: the reference's choice). matmul_glu: None, or (x, gate_up,
     group_sizes) -> act(gate) * up in `dtype` with the activation applied in
     the matmul's epilogue (the caller has checked the layer allows it: gate
-    and up concatenated, no gate/up bias); not differentiated."""
+    and up concatenated, no gate/up bias); not differentiated. down_combine:
+    None, or (activated, down, group_sizes, slots, weights) -> [T, H] in
+    hidden's dtype, the down projection and the combine as kernels where the
+    layer gathers (slots [T, k]: each token's rows in sorted order; weights
+    [T, k], 0 where a slot is not this shard's; the caller has checked there
+    is no down bias); not differentiated."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     # Projections come out in the weights' dtype, as in transformers; quantized
@@ -173,6 +179,15 @@ def experts_program(
         # Rematerialised in the backward: the gradient keeps the projection (in
         # the weights' dtype) instead of the activation's f32 intermediates.
         activated = jax.checkpoint(activate)(proj)
+    # The inverse permutation by a second sort, not a scatter: XLA runs an
+    # int32 scatter of S = tokens x top_k values as a scalar loop (302 us at
+    # 8,192 Qwen3 tokens on v6e, by its own schedule), its sort in 25 us.
+    if not by_matmul:
+        _, inv = jax.lax.sort((order, jnp.arange(order.shape[0], dtype=order.dtype)), num_keys=1)
+    if down_combine is not None and not by_matmul:
+        # Each token's rows fetched where the gmm wrote them (kernel_combine):
+        # no [k, T, H] gathered copy.
+        return down_combine(activated, down, group_sizes, inv.reshape(t, k), w.reshape(t, k))
     out = matmul(activated, down, group_sizes, "down")
     if down_bias is not None:
         out = out + down_bias[ids_clamped].astype(out.dtype)
@@ -192,10 +207,6 @@ def experts_program(
     # tiles of tokens: token-major, k sat on the sublanes and every tile took
     # a cross-sublane reduction (the fusion was VALU-bound, 318 us at 8,192
     # Qwen3 tokens on v6e; now 215, its bytes at copy bandwidth).
-    # The inverse permutation by a second sort, not a scatter: XLA runs an
-    # int32 scatter of S = tokens x top_k values as a scalar loop (302 us at
-    # 8,192 Qwen3 tokens on v6e, by its own schedule), its sort in 25 us.
-    _, inv = jax.lax.sort((order, jnp.arange(order.shape[0], dtype=order.dtype)), num_keys=1)
     inv_km = inv.reshape(t, k).T.reshape(-1)  # slot-major: rows [k, T, H]
     rows = jnp.take(out, inv_km, axis=0, unique_indices=True, mode="clip").reshape(k, t, h)
     valid_km, w_km = valid.reshape(t, k).T, w.reshape(t, k).T

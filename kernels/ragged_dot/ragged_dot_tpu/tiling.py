@@ -820,3 +820,31 @@ def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
             if need <= gen.vmem_budget:
                 return FusedMoeConfig(block_i, buffers, gen.vmem_budget)
     return None
+
+
+# -- the combine kernel (kernel_combine) ---------------------------------------
+
+COMBINE_BLOCK_T = 128
+COMBINE_SLOTS = 3  # row slots: one summed, two tiles' copies in flight
+# Its two row slots: the bytes of 2 x k x block_t packed rows. Within 3/4 of
+# the smallest default scoped VMEM of any generation (16 MiB), with the
+# output's blocks beside them.
+COMBINE_ROWS_BYTES = 8 * MiB
+
+
+def combine_block_t(tokens: int, k: int, hidden: int) -> int:
+    """Tokens a combine step: COMBINE_BLOCK_T, fewer where two slots of k rows
+    a token would pass COMBINE_ROWS_BYTES (a multiple of 16, the bf16 output's
+    sublane tile), and no more than the tokens there are."""
+    per_token = COMBINE_SLOTS * k * hidden * 2  # the slots' k rows of H bf16 values
+    fit = max(16, COMBINE_ROWS_BYTES // per_token // 16 * 16)
+    return min(COMBINE_BLOCK_T, fit, round_up(tokens, 16))
+
+
+def combine_vmem_bytes(block_t: int, k: int, hidden: int, out_dtype) -> int:
+    """The combine's scoped VMEM limit: its row slots, its double-buffered
+    output and weight blocks, and 4 MiB for the compiler's temporaries."""
+    rows = COMBINE_SLOTS * k * block_t * hidden * 2
+    out = 2 * block_t * hidden * jnp.dtype(out_dtype).itemsize
+    weights = 2 * round_up(block_t, 8) * 128 * 4
+    return rows + out + weights + 4 * MiB

@@ -1,0 +1,86 @@
+"""bf16 rows packed two values a 32-bit word: the layout the down projection's
+gmm writes for the combine kernel (kernel_combine) to fetch row by row.
+
+Why: a row of a [S, H] bf16 array is not its own memory: bf16 packs two rows
+into each 32-bit sublane word, so one row cannot be copied by a DMA without
+its neighbour. As uint32 [S, H/2] each row is a sublane of its own, and the
+combine can fetch any token's rows by DMA where XLA would gather them.
+
+The pairing keeps packing and unpacking free of lane shuffles: word 128g + c
+of a row holds column 256g + c in its low half and column 256g + 128 + c in
+its high half (g a 256-column group, c < 128). Packing a 256-column piece is
+then two whole-vreg bit operations on its two 128-lane halves; unpacking is a
+shift and a mask, each giving an f32 vreg (a bf16 is the top half of the f32
+of the same value).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+GROUP = 256  # columns whose 128 + 128 halves share 128 words
+HIGH = 0xFFFF0000
+
+
+def packable(n: int) -> bool:
+    """Whether [.., n] bf16 can be packed: whole 256-column groups."""
+    return n > 0 and n % GROUP == 0
+
+
+def pack_halves(low, high):
+    """Two same-shaped float arrays -> uint32 words: each value rounded to
+    bf16 once, `low`'s in the low half (also gmm's epilogue, on the two
+    128-lane halves of a 256-column group)."""
+
+    def bits(x):
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16).astype(jnp.float32), jnp.uint32)
+
+    return lax.shift_right_logical(bits(low), jnp.uint32(16)) | (bits(high) & jnp.uint32(HIGH))
+
+
+def pack(y):
+    """[..., n] (n a multiple of 256, any float dtype) -> uint32 [..., n/2]:
+    each value rounded to bf16 once, paired as the module says."""
+    *lead, n = y.shape
+    groups = y.reshape(*lead, n // GROUP, 2, GROUP // 2)
+    return pack_halves(groups[..., 0, :], groups[..., 1, :]).reshape(*lead, n // 2)
+
+
+def rows_packable(n: int) -> bool:
+    """Whether [S, n] can be laid out as `pack_rows` does: each row's words
+    whole (8, 128) tiles, so a row is one contiguous DMA."""
+    return packable(n) and (n // GROUP) % 8 == 0
+
+
+def pack_rows(y):
+    """[S, n] -> uint32 [S * n/256, 128]: row s's word group g (pack's words
+    [128g, 128g + 128)) at row s * n/256 + g. With n/256 a multiple of 8
+    (rows_packable) a row's words are whole tiles, contiguous in memory:
+    what the down projection's gmm writes (packed=True) and the combine
+    fetches, one DMA a row."""
+    s, n = y.shape
+    return pack(y).reshape(s * (n // GROUP), GROUP // 2)
+
+
+def unpack_rows(words, n, dtype=jnp.bfloat16):
+    """pack_rows' inverse, [S * n/256, 128] -> [S, n]."""
+    return unpack(words.reshape(-1, n // 2), dtype)
+
+
+def halves(words):
+    """uint32 words -> (low, high) values as f32, exactly the packed bf16s."""
+    low = lax.bitcast_convert_type(lax.shift_left(words, jnp.uint32(16)), jnp.float32)
+    high = lax.bitcast_convert_type(words & jnp.uint32(HIGH), jnp.float32)
+    return low, high
+
+
+def unpack(words, dtype=jnp.bfloat16):
+    """pack's inverse: uint32 [..., n/2] -> [..., n] in `dtype`."""
+    low, high = halves(words)
+    *lead, w = words.shape
+    g = w // (GROUP // 2)
+    both = jnp.stack(
+        [low.reshape(*lead, g, GROUP // 2), high.reshape(*lead, g, GROUP // 2)], axis=-2
+    )
+    return both.reshape(*lead, 2 * w).astype(dtype)

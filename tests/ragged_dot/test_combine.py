@@ -1,0 +1,218 @@
+"""The MoE combine kernel (kernel_combine), the packed rows it reads (pairs.py)
+and gmm's packed output, in interpret mode against references.
+
+- pairs: pack / unpack are exact inverses on bf16 values, bit for bit (NaN,
+  inf, signed zeros and subnormals included).
+- gmm(packed=True) writes, bit for bit, pairs.pack_rows of the output gmm
+  writes unpacked (whose numerics test_gmm.py checks against ragged_dot).
+- combine against an f32 sum of the same bf16 rows (tests/tolerances.py): one
+  rounding to the output dtype plus f32 reordering over the k terms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+from ragged_dot_tpu import pairs, tiling
+from ragged_dot_tpu.kernel_combine import combine, combine_reference
+from ragged_dot_tpu.kernel_gmm import gmm
+from tolerances import assert_close
+
+
+def _bits(x):
+    return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.bfloat16), jnp.uint16))
+
+
+SPECIAL = [np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, -3e-39, 65504.0, 3.4e38]
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 5),
+    st.sampled_from([256, 512, 2048]),
+    st.integers(0, 2**16),
+)
+def test_pack_unpack_round_trip_bit_for_bit(rows, n, seed):
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal((rows, n)).astype(np.float32) * 10.0 ** rng.integers(-30, 30)
+    y.flat[rng.integers(0, y.size, 12)] = rng.choice(SPECIAL, 12)
+    words = pairs.pack(y)
+    assert words.dtype == jnp.uint32 and words.shape == (rows, n // 2)
+    np.testing.assert_array_equal(_bits(pairs.unpack(words)), _bits(y))
+    # The layout the module states: column 256g + c low, 256g + 128 + c high.
+    low = np.asarray(words) & 0xFFFF
+    high = np.asarray(words) >> 16
+    ref = _bits(y).reshape(rows, n // 256, 2, 128)
+    np.testing.assert_array_equal(low.reshape(rows, n // 256, 128), ref[:, :, 0])
+    np.testing.assert_array_equal(high.reshape(rows, n // 256, 128), ref[:, :, 1])
+    if pairs.rows_packable(n):
+        flat = pairs.pack_rows(y)
+        assert flat.shape == (rows * n // 256, 128)
+        np.testing.assert_array_equal(_bits(pairs.unpack_rows(flat, n)), _bits(y))
+
+
+# -- gmm(packed=True) --------------------------------------------------------------
+
+
+@st.composite
+def packed_problems(draw):
+    transpose = draw(st.booleans())
+    m = draw(st.sampled_from([5, 37, 100]))
+    k = draw(st.sampled_from([40, 128]))
+    g = draw(st.integers(1, 3))
+    total = draw(st.sampled_from([m, m - 3, m // 2]))
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
+    sizes = np.diff([0, *cuts, total]).tolist()
+    weights = draw(st.sampled_from(["bfloat16", "int8"]))
+    cfg = None
+    if draw(st.booleans()):
+        bm = draw(st.sampled_from([16, 32, 112]))
+        cfg = tiling.GmmConfig(bm, 2048, draw(st.sampled_from([16, 32])), weight_buffers=2)
+    return transpose, m, k, sizes, weights, cfg, draw(st.integers(0, 2**16))
+
+
+# Several row tiles with groups across them and a short sum; int8 weights with
+# per-channel scales (the scaled product goes through the same store).
+@example((False, 100, 40, [30, 0, 50], "bfloat16", tiling.GmmConfig(32, 2048, 16), 1))
+@example((True, 37, 128, [20, 14], "int8", None, 2))
+@settings(max_examples=1, deadline=None, derandomize=True)
+@given(packed_problems())
+def test_gmm_packed_writes_the_packed_rows_of_its_output(problem):
+    transpose, m, k, sizes, weights, cfg, seed = problem
+    n = 2048
+    rng = np.random.default_rng(seed)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    shape = (len(sizes), n, k) if transpose else (len(sizes), k, n)
+    kw = dict(transpose_rhs=transpose, config=cfg, interpret=True)
+    if weights == "int8":
+        rhs = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+        kw.update(rhs_scale=jnp.asarray(rng.uniform(0.001, 0.01, (len(sizes), n)), jnp.float32))
+        kw.update(scale_axis="n")
+    else:
+        rhs = jnp.asarray(rng.standard_normal(shape) / np.sqrt(k), jnp.bfloat16)
+    plain = gmm(lhs, rhs, gs, **kw)
+    packed = gmm(lhs, rhs, gs, packed=True, **kw)
+    assert plain.dtype == jnp.bfloat16 and packed.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(pairs.pack_rows(plain)))
+
+
+def test_gmm_packed_refuses_what_it_cannot_pack():
+    gs = jnp.asarray([8], jnp.int32)
+    lhs = jnp.zeros((8, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="packed needs a bfloat16 output of N a multiple of 2048"):
+        gmm(lhs, jnp.zeros((1, 128, 1024), jnp.bfloat16), gs, packed=True)
+    with pytest.raises(ValueError, match="packed needs a bfloat16 output.*float32"):
+        gmm(lhs.astype(jnp.float32), jnp.zeros((1, 128, 2048), jnp.float32), gs, packed=True)
+    with pytest.raises(ValueError, match="config.block_n expected 2048, got 1024"):
+        gmm(
+            lhs,
+            jnp.zeros((1, 128, 2048), jnp.bfloat16),
+            gs,
+            packed=True,
+            config=tiling.GmmConfig(16, 1024, 16),
+        )
+
+
+# -- combine -----------------------------------------------------------------------
+
+
+def _expected(rows_bf16, slots, weights):
+    """f32 sum of the same bf16 rows, and the per-element magnitude of its terms."""
+    r = np.asarray(rows_bf16, np.float32)[slots]  # [T, k, H]
+    w = np.asarray(weights, np.float32)[..., None]
+    return (r * w).sum(axis=1), (np.abs(r) * np.abs(w)).sum(axis=1)
+
+
+@st.composite
+def combine_problems(draw):
+    t = draw(st.integers(1, 40))
+    k = draw(st.sampled_from([1, 2, 4]))
+    extra = draw(st.sampled_from([0, 5]))
+    block_t = draw(st.sampled_from([None, 16, 32]))
+    out = draw(st.sampled_from(["bfloat16", "float32"]))
+    return t, k, extra, block_t, out, draw(st.integers(0, 2**16))
+
+
+# Several token tiles and a partial last one (the three slots wrap around, the
+# last tile is fetched again); a single tile with rows no slot names.
+@example((40, 8, 0, 16, "bfloat16", 3))
+@example((7, 2, 5, None, "float32", 4))
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(combine_problems())
+def test_combine_matches_f32_sum_of_the_same_rows(problem):
+    t, k, extra, block_t, out_dtype, seed = problem
+    h = 2048
+    rng = np.random.default_rng(seed)
+    s = t * k + extra
+    rows = jnp.asarray(rng.standard_normal((s, h)), jnp.bfloat16)
+    slots = rng.permutation(s)[: t * k].reshape(t, k).astype(np.int32)
+    weights = rng.uniform(0, 1, (t, k)).astype(np.float32)
+    weights[rng.random((t, k)) < 0.2] = 0.0
+    res = combine(
+        pairs.pack_rows(rows),
+        jnp.asarray(slots),
+        jnp.asarray(weights),
+        hidden=h,
+        out_dtype=jnp.dtype(out_dtype),
+        block_t=block_t,
+        interpret=True,
+    )
+    assert res.dtype == jnp.dtype(out_dtype) and res.shape == (t, h)
+    want, mag = _expected(rows, slots, weights)
+    assert_close(res, want, magnitude=mag, what="combine")
+
+
+def test_combine_clamps_ids_and_keeps_xlas_non_finite_values():
+    """Out-of-range ids read the nearest row (jnp.take's mode="clip"); a
+    weight of 0 on an inf row gives NaN, a weighted inf stays inf, as the XLA
+    sum of the same rows does."""
+    t, k, h = 3, 2, 2048
+    rows = np.ones((4, h), np.float32)
+    rows[1, :5] = np.inf
+    slots = np.array([[-7, 1], [9, 2], [0, 3]], np.int32)
+    weights = np.array([[0.5, 0.0], [0.25, 1.0], [0.5, 0.5]], np.float32)
+    packed = pairs.pack_rows(jnp.asarray(rows, jnp.bfloat16))
+    res = combine(
+        packed,
+        jnp.asarray(slots),
+        jnp.asarray(weights),
+        hidden=h,
+        out_dtype=jnp.float32,
+        interpret=True,
+    )
+    ref = combine_reference(
+        packed,
+        jnp.asarray(np.clip(slots, 0, 3)),
+        jnp.asarray(weights),
+        hidden=h,
+        out_dtype=jnp.float32,
+    )
+    res = np.asarray(res)
+    np.testing.assert_array_equal(res, np.asarray(ref))
+    assert np.isnan(res[0, :5]).all() and (res[0, 5:] == 0.5).all()
+    assert (res[1] == 1.25).all()
+
+
+def test_combine_refuses_bad_input():
+    rows = jnp.zeros((16, 128), jnp.uint32)  # two rows of H = 2048
+    slots = jnp.zeros((2, 1), jnp.int32)
+    w = jnp.ones((2, 1), jnp.float32)
+    with pytest.raises(ValueError, match="hidden: expected a multiple of 2048, got 1024"):
+        combine(rows, slots, w, hidden=1024)
+    with pytest.raises(ValueError, match=r"rows: expected uint32 \[S \* 8, 128\]"):
+        combine(rows.astype(jnp.int32), slots, w, hidden=2048)
+    with pytest.raises(ValueError, match="rows: expected a multiple of 8 rows"):
+        combine(rows[:12], slots, w, hidden=2048)
+    with pytest.raises(ValueError, match=r"slots: expected integer \[T, k\]"):
+        combine(rows, w, w, hidden=2048)
+    with pytest.raises(ValueError, match=r"weights: expected floating \(2, 1\)"):
+        combine(rows, slots, jnp.ones((2, 2)), hidden=2048)
+    with pytest.raises(ValueError, match="out_dtype: expected bfloat16 or float32"):
+        combine(rows, slots, w, hidden=2048, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="block_t: expected a multiple of 16, got 8"):
+        combine(rows, slots, w, hidden=2048, block_t=8)
