@@ -171,7 +171,7 @@ def test_combine_clamps_ids_and_keeps_xlas_non_finite_values():
     """Out-of-range ids read the nearest row (jnp.take's mode="clip"); a
     weight of 0 on an inf row gives NaN, a weighted inf stays inf, as the XLA
     sum of the same rows does."""
-    t, k, h = 3, 2, 2048
+    h = 2048
     rows = np.ones((4, h), np.float32)
     rows[1, :5] = np.inf
     slots = np.array([[-7, 1], [9, 2], [0, 3]], np.int32)
