@@ -33,6 +33,7 @@ from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
 from ragged_dot_tpu import mxfp4, tiling
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
+from ragged_dot_tpu.kernel_combine import combine
 from ragged_dot_tpu.kernel_tgmm import tgmm
 
 # name: (experts, top_k, hidden, intermediate)
@@ -179,6 +180,8 @@ def gate_program(point) -> GateProgram:
         return _mxfp4_layer_program(point[1:])
     if point[0] == "glu":
         return _glu_program(point[1:])
+    if point[0] == "combine":
+        return _combine_program(point[1:])
     model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
@@ -334,6 +337,30 @@ def _glu_program(point) -> GateProgram:
         gmm, transpose_rhs=True, glu=("gelu_pytorch_tanh", 1.702, 7.0), config=generation
     )
     args = [spec((tokens * top_k, h)), spec((e, 2 * i, h)), spec((e,), jnp.int32)]
+    return GateProgram(fn, args, generation)
+
+
+# Inference's down projection writing packed rows (gmm(packed=True)) and the
+# combine kernel reading them, as one program: Qwen3 (H = 2048, the layer
+# that takes them) at prefill, torch's [E, H, I] layout, every generation.
+COMBINE_POINTS = [("combine", "qwen3_30b_a3b", 8192, gen) for gen in ("v5e", "v6e", "tpu7x")]
+
+
+def _combine_program(point) -> GateProgram:
+    model, tokens, generation = point
+    e, top_k, h, i = MODELS[model]
+
+    def fn(x, w, sizes, slots, weights):
+        rows = gmm(x, w, sizes, transpose_rhs=True, config=generation, packed=True)
+        return combine(rows, slots, weights, hidden=h)
+
+    args = [
+        spec((tokens * top_k, i)),
+        spec((e, h, i)),
+        spec((e,), jnp.int32),
+        spec((tokens, top_k), jnp.int32),
+        spec((tokens, top_k), jnp.float32),
+    ]
     return GateProgram(fn, args, generation)
 
 
@@ -579,6 +606,11 @@ def test_mxfp4_moe_layer_fwd_and_grad_compile(point, pool):
 
 @pytest.mark.parametrize("point", GLU_POINTS, ids=_id)
 def test_glu_gmm_compiles(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", COMBINE_POINTS, ids=_id)
+def test_packed_down_projection_and_combine_compile(point, pool):
     pool.assert_ok(__file__, point)
 
 
