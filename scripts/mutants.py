@@ -62,6 +62,7 @@ RD_OPS = "kernels/ragged_dot/ragged_dot_tpu/ops.py"
 RD_W8A8 = "kernels/ragged_dot/ragged_dot_tpu/w8a8.py"
 MOE = "kernels/ragged_dot/ragged_dot_tpu/moe.py"
 MOE_DEC = "kernels/ragged_dot/ragged_dot_tpu/kernel_moe_decode.py"
+COMBINE = "kernels/ragged_dot/ragged_dot_tpu/kernel_combine.py"
 EXPERTS = "kernels/ragged_dot/ragged_dot_tpu/layers.py"
 MX = "kernels/ragged_dot/ragged_dot_tpu/mxfp4.py"
 HF_MX = "kernels/ragged_dot/ragged_dot_tpu/hf_mxfp4.py"
@@ -86,6 +87,7 @@ T_E2E = "tests/ragged_dot/test_e2e_models.py"
 T_W8 = "tests/ragged_dot/test_w8a8.py"
 T_ROUTE = "tests/ragged_dot/test_routing.py"
 T_MOE = "tests/ragged_dot/test_moe_jax.py"
+T_COMB = "tests/ragged_dot/test_combine.py"
 T_DEC = "tests/ragged_dot/test_moe_decode.py"
 T_EXP = "tests/ragged_dot/test_experts.py"
 T_FA = "tests/flash_attention/test_flash_attention.py"
@@ -863,10 +865,42 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-primal-unfused",
         RD,
-        "return _moe_program(*arrays, **statics, fuse_glu=True)",
-        "return _moe_program(*arrays, **statics, fuse_glu=False)",
+        "return _moe_program(*arrays, **statics, inference=True)",
+        "return _moe_program(*arrays, **statics, inference=False)",
         (f"{T_MOE}::test_inference_applies_the_activation_in_the_gate_up_kernel",),
         "moe: inference runs the unfused activation pass (the [S, 2I] projection is written)",
+    ),
+    Mutant(
+        "combine-halves-swapped",
+        COMBINE,
+        "out_ref[pl.ds(r0, SUB), pl.ds(o, half)] = low.astype(out_ref.dtype)",
+        "out_ref[pl.ds(r0, SUB), pl.ds(o, half)] = high.astype(out_ref.dtype)",
+        (f"{T_COMB}::test_combine_matches_f32_sum_of_the_same_rows",),
+        "combine: a word's high half written where its low half goes",
+    ),
+    Mutant(
+        "combine-ahead-slot",
+        COMBINE,
+        "into = lax.rem(i + 2, SLOTS)",
+        "into = lax.rem(i + 1, SLOTS)",
+        (f"{T_COMB}::test_combine_matches_f32_sum_of_the_same_rows",),
+        "combine: the copies of the tile two ahead land in the next step's slot",
+    ),
+    Mutant(
+        "gmm-packed-group",
+        GMM,
+        "g = lax.div(c0, pairs.GROUP) + gg",
+        "g = lax.div(c0, pairs.GROUP)",
+        (f"{T_COMB}::test_gmm_packed_writes_the_packed_rows_of_its_output",),
+        "gmm packed: every 256-column group of a piece stored in the piece's first word row",
+    ),
+    Mutant(
+        "moe-combine-off",
+        MOE,
+        "if down_combine is not None and not by_matmul:",
+        "if False:",
+        (f"{T_MOE}::test_inference_combines_each_tokens_rows_in_the_combine_kernel",),
+        "moe: inference gathers rows for the combine in XLA although the kernel applies",
     ),
     Mutant(
         "rms-ring-prefetch-slot",

@@ -33,7 +33,7 @@ SPECIAL = [np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, -3e-39, 65504.0, 3.4e38]
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(
     st.integers(1, 5),
-    st.sampled_from([256, 512, 2048]),
+    st.sampled_from([256, 512, 2048, 2816]),
     st.integers(0, 2**16),
 )
 def test_pack_unpack_round_trip_bit_for_bit(rows, n, seed):
@@ -49,10 +49,12 @@ def test_pack_unpack_round_trip_bit_for_bit(rows, n, seed):
     ref = _bits(y).reshape(rows, n // 256, 2, 128)
     np.testing.assert_array_equal(low.reshape(rows, n // 256, 128), ref[:, :, 0])
     np.testing.assert_array_equal(high.reshape(rows, n // 256, 128), ref[:, :, 1])
-    if pairs.rows_packable(n):
-        flat = pairs.pack_rows(y)
-        assert flat.shape == (rows * n // 256, 128)
-        np.testing.assert_array_equal(_bits(pairs.unpack_rows(flat, n)), _bits(y))
+    # pack_rows: a token's n/256 word rows, zero rows up to a whole tile.
+    flat = np.asarray(pairs.pack_rows(y)).reshape(rows, -1, 128)
+    assert flat.shape[1] == pairs.row_words(n) == -(-n // 2048) * 8
+    np.testing.assert_array_equal(flat[:, : n // 256].reshape(rows, n // 2), np.asarray(words))
+    assert not flat[:, n // 256 :].any()
+    np.testing.assert_array_equal(_bits(pairs.unpack_rows(pairs.pack_rows(y), n)), _bits(y))
 
 
 # -- gmm(packed=True) --------------------------------------------------------------
@@ -68,22 +70,23 @@ def packed_problems(draw):
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
     sizes = np.diff([0, *cuts, total]).tolist()
     weights = draw(st.sampled_from(["bfloat16", "int8"]))
+    n = draw(st.sampled_from([2048, 2816]))
     cfg = None
     if draw(st.booleans()):
         bm = draw(st.sampled_from([16, 32, 112]))
-        cfg = tiling.GmmConfig(bm, 2048, draw(st.sampled_from([16, 32])), weight_buffers=2)
-    return transpose, m, k, sizes, weights, cfg, draw(st.integers(0, 2**16))
+        cfg = tiling.GmmConfig(bm, n, draw(st.sampled_from([16, 32])), weight_buffers=2)
+    return transpose, m, k, n, sizes, weights, cfg, draw(st.integers(0, 2**16))
 
 
 # Several row tiles with groups across them and a short sum; int8 weights with
-# per-channel scales (the scaled product goes through the same store).
-@example((False, 100, 40, [30, 0, 50], "bfloat16", tiling.GmmConfig(32, 2048, 16), 1))
-@example((True, 37, 128, [20, 14], "int8", None, 2))
+# per-channel scales (the scaled product goes through the same store) and
+# Gemma 4's H = 2816 (11 word rows a token, padded to 16).
+@example((False, 100, 40, 2048, [30, 0, 50], "bfloat16", tiling.GmmConfig(32, 2048, 16), 1))
+@example((True, 37, 128, 2816, [20, 14], "int8", None, 2))
 @settings(max_examples=1, deadline=None, derandomize=True)
 @given(packed_problems())
 def test_gmm_packed_writes_the_packed_rows_of_its_output(problem):
-    transpose, m, k, sizes, weights, cfg, seed = problem
-    n = 2048
+    transpose, m, k, n, sizes, weights, cfg, seed = problem
     rng = np.random.default_rng(seed)
     gs = jnp.asarray(sizes, jnp.int32)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -104,8 +107,8 @@ def test_gmm_packed_writes_the_packed_rows_of_its_output(problem):
 def test_gmm_packed_refuses_what_it_cannot_pack():
     gs = jnp.asarray([8], jnp.int32)
     lhs = jnp.zeros((8, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="packed needs a bfloat16 output of N a multiple of 2048"):
-        gmm(lhs, jnp.zeros((1, 128, 1024), jnp.bfloat16), gs, packed=True)
+    with pytest.raises(ValueError, match="packed needs a bfloat16 output of N a multiple of 256"):
+        gmm(lhs, jnp.zeros((1, 128, 2880), jnp.bfloat16), gs, packed=True)
     with pytest.raises(ValueError, match="packed needs a bfloat16 output.*float32"):
         gmm(lhs.astype(jnp.float32), jnp.zeros((1, 128, 2048), jnp.float32), gs, packed=True)
     with pytest.raises(ValueError, match="config.block_n expected 2048, got 1024"):
@@ -135,18 +138,19 @@ def combine_problems(draw):
     extra = draw(st.sampled_from([0, 5]))
     block_t = draw(st.sampled_from([None, 16, 32]))
     out = draw(st.sampled_from(["bfloat16", "float32"]))
-    return t, k, extra, block_t, out, draw(st.integers(0, 2**16))
+    h = draw(st.sampled_from([2048, 2816]))
+    return t, k, extra, block_t, out, h, draw(st.integers(0, 2**16))
 
 
 # Several token tiles and a partial last one (the three slots wrap around, the
-# last tile is fetched again); a single tile with rows no slot names.
-@example((40, 8, 0, 16, "bfloat16", 3))
-@example((7, 2, 5, None, "float32", 4))
+# last tile is fetched again); a single tile with rows no slot names, at
+# Gemma 4's H = 2816 (padded word rows).
+@example((40, 8, 0, 16, "bfloat16", 2048, 3))
+@example((7, 2, 5, None, "float32", 2816, 4))
 @settings(max_examples=1, deadline=None, derandomize=True)
 @given(combine_problems())
 def test_combine_matches_f32_sum_of_the_same_rows(problem):
-    t, k, extra, block_t, out_dtype, seed = problem
-    h = 2048
+    t, k, extra, block_t, out_dtype, h, seed = problem
     rng = np.random.default_rng(seed)
     s = t * k + extra
     rows = jnp.asarray(rng.standard_normal((s, h)), jnp.bfloat16)
@@ -202,11 +206,11 @@ def test_combine_refuses_bad_input():
     rows = jnp.zeros((16, 128), jnp.uint32)  # two rows of H = 2048
     slots = jnp.zeros((2, 1), jnp.int32)
     w = jnp.ones((2, 1), jnp.float32)
-    with pytest.raises(ValueError, match="hidden: expected a multiple of 2048, got 1024"):
-        combine(rows, slots, w, hidden=1024)
+    with pytest.raises(ValueError, match="hidden: expected a multiple of 256, got 2880"):
+        combine(rows, slots, w, hidden=2880)
     with pytest.raises(ValueError, match=r"rows: expected uint32 \[S \* 8, 128\]"):
         combine(rows.astype(jnp.int32), slots, w, hidden=2048)
-    with pytest.raises(ValueError, match="rows: expected a multiple of 8 rows"):
+    with pytest.raises(ValueError, match=r"rows: expected a multiple of 8 rows \(pairs.row_words"):
         combine(rows[:12], slots, w, hidden=2048)
     with pytest.raises(ValueError, match=r"slots: expected integer \[T, k\]"):
         combine(rows, w, w, hidden=2048)
@@ -216,3 +220,31 @@ def test_combine_refuses_bad_input():
         combine(rows, slots, w, hidden=2048, out_dtype=jnp.float16)
     with pytest.raises(ValueError, match="block_t: expected a multiple of 16, got 8"):
         combine(rows, slots, w, hidden=2048, block_t=8)
+
+
+@pytest.mark.parametrize(
+    "hidden, generation, packs",
+    [(2048, "tpu7x", True), (2816, "v6e", True), (2816, "tpu7x", False), (2880, "v6e", False)],
+)
+def test_the_layer_combines_in_the_kernel_where_tiling_says(hidden, generation, packs):
+    """Past the one-hot routing's range (520 tokens) inference writes packed
+    rows for the combine where tiling.combine_in_kernel allows: unpadded rows
+    everywhere, Gemma 4's padded ones where HBM is slow, H = 2880 nowhere
+    (traced, not run)."""
+    from ragged_dot_tpu.api import moe_experts
+
+    e, i, t, k = 4, 128, 520, 2
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((t, hidden), jnp.bfloat16),
+        spec((t, k), jnp.int32),
+        spec((t, k), jnp.float32),
+        spec((e, 2 * i, hidden), jnp.bfloat16),
+        spec((e, hidden, i), jnp.bfloat16),
+    )
+    kw = dict(num_experts=e, has_gate=True, is_transposed=False, is_concatenated=True)
+    jaxpr = jax.make_jaxpr(lambda *a: moe_experts(*a, **kw, activation="silu", config=generation))(
+        *args
+    )
+    assert tiling.combine_in_kernel(hidden, generation) == packs
+    assert ("moe_combine" in str(jaxpr)) == packs

@@ -341,9 +341,14 @@ def _glu_program(point) -> GateProgram:
 
 
 # Inference's down projection writing packed rows (gmm(packed=True)) and the
-# combine kernel reading them, as one program: Qwen3 (H = 2048, the layer
-# that takes them) at prefill, torch's [E, H, I] layout, every generation.
-COMBINE_POINTS = [("combine", "qwen3_30b_a3b", 8192, gen) for gen in ("v5e", "v6e", "tpu7x")]
+# combine kernel reading them, as one program: the layers that take them at
+# prefill (Qwen3, H = 2048; Gemma 4, H = 2816, word rows padded to whole
+# tiles), torch's [E, H, I] layout, every generation.
+COMBINE_POINTS = [
+    ("combine", model, 8192, gen)
+    for model in ("qwen3_30b_a3b", "gemma4_26b_a4b")
+    for gen in ("v5e", "v6e", "tpu7x")
+]
 
 
 def _combine_program(point) -> GateProgram:

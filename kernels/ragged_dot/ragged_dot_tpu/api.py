@@ -18,7 +18,7 @@ import jax
 
 import jax.numpy as jnp
 
-from . import checks, moe, mxfp4, pairs, tiling
+from . import checks, moe, mxfp4, tiling
 from .kernel_combine import combine
 from .kernel_gmm import gmm, resolve_config
 from .kernel_moe_decode import fused_moe_decode
@@ -453,16 +453,18 @@ def _glu_fusable(gate_up, bias, scale, has_gate, is_transposed, is_concatenated)
 
 
 def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, config) -> bool:
-    """Whether the down gmm can write its rows packed for kernel_combine
-    (gmm's packed=True): bf16 hidden states and projection, no down bias, H
-    a multiple of 2048 (pairs.rows_packable), not FP4 weights, and the down
-    gmm's blocks (as given or as tiling picks them) covering all of H."""
+    """Whether the down gmm writes its rows packed for kernel_combine (gmm's
+    packed=True): bf16 hidden states and projection, no down bias, not FP4
+    weights, H as tiling.combine_in_kernel allows on this generation, and
+    the down gmm's blocks (as given or as tiling picks them) covering all of
+    H."""
     h = hidden.shape[1]
+    generation = config if isinstance(config, str) else None
     if (
         hidden.dtype != jnp.bfloat16
         or bias is not None
         or mxfp4.is_mxfp4(down.dtype)
-        or not pairs.rows_packable(h)
+        or not tiling.combine_in_kernel(h, generation)
     ):
         return False
     out_dtype = down.dtype if jnp.dtype(down.dtype).itemsize > 1 else hidden.dtype

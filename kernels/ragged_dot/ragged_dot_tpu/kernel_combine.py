@@ -14,8 +14,8 @@ the [T, H] result, nothing in between.
 
 * Rows arrive packed (pairs.pack_rows, what gmm writes with packed=True):
   a bf16 row of a [S, H] array shares its 32-bit words with its neighbour
-  row, so it cannot be copied alone; packed, a row's H/2 words are H/2048
-  whole (8, 128) tiles of their own, one contiguous DMA (a row of a 2-D
+  row, so it cannot be copied alone; packed, a row's H/2 words are whole
+  (8, 128) tiles of their own (padded to them), one contiguous DMA (a row of a 2-D
   uint32 [S, H/2] array is a sublane of H/256 tiles: a strided copy whose
   addressing took ~10.5 bundles to issue on v6e against ~4.1).
 * Grid over token tiles of `block_t` tokens, sequential, through three row
@@ -30,7 +30,7 @@ the [T, H] result, nothing in between.
   of the tile two ahead reach SMEM through the BlockSpec pipeline.
 * Each token's rows land slot-major in VMEM ([k, block_t] rows). The sum
   reads word group g of 16 tokens as one sublane-strided load (every
-  H/256-th row), unpacks each word with a shift and a mask (no lane
+  row_words(H)-th row), unpacks each word with a shift and a mask (no lane
   shuffles) and adds whole tiles of tokens.
 * Row ids are clamped to [0, S) before the kernel, so every copy is in
   bounds whatever `slots` holds, and the DMAs' own bounds checks are
@@ -62,16 +62,16 @@ def combine_reference(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16):
 
 def _check(rows, slots, weights, hidden, out_dtype):
     if not pairs.rows_packable(hidden):
-        raise ValueError(f"combine: hidden: expected a multiple of 2048, got {hidden}")
-    ng = hidden // pairs.GROUP
+        raise ValueError(f"combine: hidden: expected a multiple of 256, got {hidden}")
+    rw = pairs.row_words(hidden)
     if rows.ndim != 2 or rows.dtype != jnp.uint32 or rows.shape[1] != pairs.GROUP // 2:
         raise ValueError(
-            f"combine: rows: expected uint32 [S * {ng}, 128] (pairs.pack_rows of [S, {hidden}]),"
+            f"combine: rows: expected uint32 [S * {rw}, 128] (pairs.pack_rows of [S, {hidden}]),"
             f" got {rows.dtype} {tuple(rows.shape)}"
         )
-    if rows.shape[0] % ng:
+    if rows.shape[0] % rw:
         raise ValueError(
-            f"combine: rows: expected a multiple of {ng} rows (hidden {hidden} / 256 a"
+            f"combine: rows: expected a multiple of {rw} rows (pairs.row_words({hidden}) a"
             f" token), got {rows.shape[0]}"
         )
     if slots.ndim != 2 or not jnp.issubdtype(slots.dtype, jnp.integer):
@@ -91,21 +91,22 @@ def _check(rows, slots, weights, hidden, out_dtype):
 @functools.partial(jax.jit, static_argnames=("hidden", "out_dtype", "block_t", "interpret"))
 def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=None, interpret=False):
     """Args:
-      rows: uint32 [S * H/256, 128]: S rows of H bf16 values as
+      rows: uint32 [S * pairs.row_words(H), 128]: S rows of H bf16 values as
         pairs.pack_rows lays them out (gmm's packed output).
       slots: int [T, k]: the row (of the S) for each token's k slots (clamped
         to [0, S)).
       weights: float [T, k]: each slot's weight (0 for a slot that counts for
         nothing: its row is still read, and 0 x inf is NaN as in XLA's sum).
       out_dtype: bfloat16 or float32.
-      hidden: H, a multiple of 2048 (pairs.rows_packable).
+      hidden: H, a multiple of 256 (pairs.rows_packable).
       block_t: tokens a grid step (default tiling.combine_block_t).
 
     Returns [T, H] in out_dtype.
     """
     _check(rows, slots, weights, hidden, out_dtype)
     ng = hidden // pairs.GROUP
-    s = rows.shape[0] // ng
+    rw = pairs.row_words(hidden)
+    s = rows.shape[0] // rw
     t, k = slots.shape
     h = hidden
     if t == 0 or k == 0 or s == 0:
@@ -133,9 +134,9 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
                 for j in range(k):
                     pltpu.make_async_copy(
                         rows_hbm.at[
-                            pl.ds(pl.multiple_of(ids_ref[0, (r0 + r) * k + j] * ng, 8), ng)
+                            pl.ds(pl.multiple_of(ids_ref[0, (r0 + r) * k + j] * rw, 8), rw)
                         ],
-                        buf.at[into, pl.ds((j * bt + r0 + r) * ng, ng)],
+                        buf.at[into, pl.ds((j * bt + r0 + r) * rw, rw)],
                         sem.at[into],
                     ).start()
 
@@ -161,7 +162,7 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
             for g in range(ng):
                 low = high = jnp.zeros((SUB, half), jnp.float32)
                 for j in range(k):
-                    words = buf[slot, pl.ds((j * bt + r0) * ng + g, SUB, stride=ng), :]
+                    words = buf[slot, pl.ds((j * bt + r0) * rw + g, SUB, stride=rw), :]
                     a, b_ = pairs.halves(words)
                     wj = wv[:, j : j + 1]
                     low, high = low + a * wj, high + b_ * wj
@@ -199,7 +200,7 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
         out_specs=pl.BlockSpec((bt, h), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((t, h), out_dtype),
         scratch_shapes=[
-            pltpu.VMEM((SLOTS, k * bt * ng, half), jnp.uint32),
+            pltpu.VMEM((SLOTS, k * bt * rw, half), jnp.uint32),
             pltpu.SemaphoreType.DMA((SLOTS,)),
         ],
         compiler_params=pltpu.CompilerParams(

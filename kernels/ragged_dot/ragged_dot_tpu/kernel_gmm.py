@@ -480,8 +480,8 @@ def _gmm_kernel(
         def store(r0, size, c0, width, y, keep):
             if packed:
                 # pairs.pack_rows: each 256-column group of the piece is one
-                # row of words a token, every ng-th row of the block.
-                ng = block_n // pairs.GROUP
+                # row of words a token, every rw-th row of the block.
+                rw = pairs.row_words(block_n)
                 half = pairs.GROUP // 2
                 for gg in range(width // pairs.GROUP):
                     g = lax.div(c0, pairs.GROUP) + gg
@@ -489,7 +489,7 @@ def _gmm_kernel(
                         y[:, gg * pairs.GROUP : gg * pairs.GROUP + half],
                         y[:, gg * pairs.GROUP + half : (gg + 1) * pairs.GROUP],
                     )
-                    dst = (pl.ds(r0 * ng + g, size, stride=ng), slice(None))
+                    dst = (pl.ds(r0 * rw + g, size, stride=rw), slice(None))
                     out_ref[dst] = jnp.where(keep, words, out_ref[dst])
                 return
             dst = (pl.ds(r0, size), pl.ds(c0, width))
@@ -663,10 +663,10 @@ def gmm(
         act(gate) * up, [M, N/2], each product rounded to the output dtype
         before the activation (in f32). Unquantized rhs only.
       packed: the bf16 output written as pairs.pack_rows lays it out, uint32
-        [M * N/256, 128] (N the output's columns): each row's words are
+        [M * pairs.row_words(N), 128] (N the output's columns): each row's words are
         contiguous, for the combine kernel to fetch by DMA. Needs a bf16
-        output, N a multiple of 2048 (pairs.rows_packable) and the whole of
-        N in one block.
+        output, N a multiple of 256 (pairs.rows_packable) and the whole of N
+        in one block.
 
     Returns:
       [M, N] ([M, N/2] with glu); rows outside this shard's groups (and past the sum) are zero.
@@ -756,12 +756,12 @@ def gmm(
     out_dtype = jnp.dtype(preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype))
     if packed and (out_dtype != jnp.bfloat16 or not pairs.rows_packable(n_out)):
         raise ValueError(
-            "gmm: packed needs a bfloat16 output of N a multiple of 2048 columns; got"
+            "gmm: packed needs a bfloat16 output of N a multiple of 256 columns; got"
             f" {out_dtype.name}, N={n_out}"
         )
     if m == 0 or n_out == 0 or k == 0 or num_local == 0 or num_groups == 0:
         if packed:
-            out = jnp.zeros((m * n_out // pairs.GROUP, pairs.GROUP // 2), jnp.uint32)
+            out = jnp.zeros((m * pairs.row_words(n_out), pairs.GROUP // 2), jnp.uint32)
         else:
             out = jnp.zeros((m, n_out), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
@@ -801,9 +801,9 @@ def gmm(
     if quantized:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     if packed:
-        ng = n_out // pairs.GROUP
-        out_specs = [pl.BlockSpec((bm * ng, pairs.GROUP // 2), out_map, **out_single)]
-        out_shape = [jax.ShapeDtypeStruct((m * ng, pairs.GROUP // 2), jnp.uint32)]
+        rw = pairs.row_words(n_out)
+        out_specs = [pl.BlockSpec((bm * rw, pairs.GROUP // 2), out_map, **out_single)]
+        out_shape = [jax.ShapeDtypeStruct((m * rw, pairs.GROUP // 2), jnp.uint32)]
     else:
         out_specs = [pl.BlockSpec((bm, bn), out_map, **out_single)]
         out_shape = [jax.ShapeDtypeStruct((m, n_out), out_dtype)]

@@ -48,24 +48,35 @@ def pack(y):
 
 
 def rows_packable(n: int) -> bool:
-    """Whether [S, n] can be laid out as `pack_rows` does: each row's words
-    whole (8, 128) tiles, so a row is one contiguous DMA."""
-    return packable(n) and (n // GROUP) % 8 == 0
+    """Whether [S, n] bf16 can be laid out as `pack_rows` does."""
+    return packable(n)
+
+
+def row_words(n: int) -> int:
+    """Rows of 128 words a token takes in pack_rows' layout: its n/256 word
+    groups, padded to whole (8, 128) tiles."""
+    groups = n // GROUP
+    return -(-groups // 8) * 8
 
 
 def pack_rows(y):
-    """[S, n] -> uint32 [S * n/256, 128]: row s's word group g (pack's words
-    [128g, 128g + 128)) at row s * n/256 + g. With n/256 a multiple of 8
-    (rows_packable) a row's words are whole tiles, contiguous in memory:
-    what the down projection's gmm writes (packed=True) and the combine
-    fetches, one DMA a row."""
+    """[S, n] -> uint32 [S * row_words(n), 128]: row s's word group g (pack's
+    words [128g, 128g + 128)) at row s * row_words(n) + g, zero rows after
+    its n/256 groups up to a whole tile. A token's words are then whole
+    (8, 128) tiles, contiguous in memory: what the down projection's gmm
+    writes (packed=True) and the combine fetches, one DMA a token's row.
+    (Gemma 4's H = 2816, 11 groups, pads to 16: 45% more bytes, still one
+    copy a row.)"""
     s, n = y.shape
-    return pack(y).reshape(s * (n // GROUP), GROUP // 2)
+    groups = pack(y).reshape(s, n // GROUP, GROUP // 2)
+    pad = row_words(n) - n // GROUP
+    return jnp.pad(groups, ((0, 0), (0, pad), (0, 0))).reshape(s * row_words(n), GROUP // 2)
 
 
 def unpack_rows(words, n, dtype=jnp.bfloat16):
-    """pack_rows' inverse, [S * n/256, 128] -> [S, n]."""
-    return unpack(words.reshape(-1, n // 2), dtype)
+    """pack_rows' inverse, [S * row_words(n), 128] -> [S, n]."""
+    groups = words.reshape(-1, row_words(n), GROUP // 2)[:, : n // GROUP]
+    return unpack(groups.reshape(-1, n // 2), dtype)
 
 
 def halves(words):

@@ -60,7 +60,7 @@ import math
 
 import jax.numpy as jnp
 
-from . import mxfp4
+from . import mxfp4, pairs
 from ._torch_bindings import tpu_info
 
 MiB = tpu_info.MiB
@@ -832,11 +832,32 @@ COMBINE_SLOTS = 3  # row slots: one summed, two tiles' copies in flight
 COMBINE_ROWS_BYTES = 8 * MiB
 
 
+# Rows whose words are padded to whole tiles (H not a multiple of 2048: Gemma
+# 4's 2816 takes 16 word rows a token for its 11) cost the down gmm those
+# bytes too. Where HBM is fast that outweighs XLA's gather and sum, which
+# cost only bytes there (Gemma 4, 8,192 tokens, the layer by its schedule:
+# tpu7x 2,042.2 -> 2,068.9 us, its down gmm 491.3 -> 560.7; v6e 3,399.4 ->
+# 3,119.7). Unpadded rows (Qwen3) win on both: v6e 2,397.4 -> 2,042.4,
+# tpu7x 1,356.5 -> 1,323.4.
+COMBINE_PADDED_MAX_HBM_BYTES_PER_S = 2e12
+
+
+def combine_in_kernel(hidden: int, generation: str | None) -> bool:
+    """Whether the MoE layer's combine runs as kernel_combine on packed rows
+    (else XLA gathers and sums): H packable, and its rows unpadded or HBM
+    slower than COMBINE_PADDED_MAX_HBM_BYTES_PER_S."""
+    if not pairs.rows_packable(hidden):
+        return False
+    padded = pairs.row_words(hidden) * pairs.GROUP != hidden
+    gen = get_generation(generation)
+    return not padded or gen.hbm_bytes_per_s < COMBINE_PADDED_MAX_HBM_BYTES_PER_S
+
+
 def combine_block_t(tokens: int, k: int, hidden: int) -> int:
-    """Tokens a combine step: COMBINE_BLOCK_T, fewer where two slots of k rows
+    """Tokens a combine step: COMBINE_BLOCK_T, fewer where the slots' k rows
     a token would pass COMBINE_ROWS_BYTES (a multiple of 16, the bf16 output's
     sublane tile), and no more than the tokens there are."""
-    per_token = COMBINE_SLOTS * k * hidden * 2  # the slots' k rows of H bf16 values
+    per_token = COMBINE_SLOTS * k * _row_bytes(hidden)
     fit = max(16, COMBINE_ROWS_BYTES // per_token // 16 * 16)
     return min(COMBINE_BLOCK_T, fit, round_up(tokens, 16))
 
@@ -844,7 +865,12 @@ def combine_block_t(tokens: int, k: int, hidden: int) -> int:
 def combine_vmem_bytes(block_t: int, k: int, hidden: int, out_dtype) -> int:
     """The combine's scoped VMEM limit: its row slots, its double-buffered
     output and weight blocks, and 4 MiB for the compiler's temporaries."""
-    rows = COMBINE_SLOTS * k * block_t * hidden * 2
+    rows = COMBINE_SLOTS * k * block_t * _row_bytes(hidden)
     out = 2 * block_t * hidden * jnp.dtype(out_dtype).itemsize
     weights = 2 * round_up(block_t, 8) * 128 * 4
     return rows + out + weights + 4 * MiB
+
+
+def _row_bytes(hidden: int) -> int:
+    """A packed row's bytes (pairs.row_words rows of 128 words)."""
+    return pairs.row_words(hidden) * 128 * 4
