@@ -374,6 +374,8 @@ def _moe_program(
             glu=(activation, alpha, limit),
         )
 
+    down_config = _configs(configs["down"])[0]  # the forward's
+
     def down_combine(x, w, group_sizes, slots, weights):
         w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
         scale, scale_axis = _kernel_scale(down_scale, swapped, "n")
@@ -385,7 +387,7 @@ def _moe_program(
             rhs_scale=scale,
             scale_axis=scale_axis,
             transpose_rhs=transpose_rhs,
-            config=_configs(configs["down"])[0],
+            config=down_config,
             interpret=interpret,
             packed=True,
         )
@@ -426,7 +428,7 @@ def _moe_program(
             down_bias,
             down_scale,
             is_transposed,
-            _configs(configs["down"])[0],
+            down_config,
         )
         else None,
         num_experts=num_experts,

@@ -61,7 +61,7 @@ def combine_reference(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16):
 
 
 def _check(rows, slots, weights, hidden, out_dtype):
-    if not pairs.rows_packable(hidden):
+    if not pairs.packable(hidden):
         raise ValueError(f"combine: hidden: expected a multiple of 256, got {hidden}")
     rw = pairs.row_words(hidden)
     if rows.ndim != 2 or rows.dtype != jnp.uint32 or rows.shape[1] != pairs.GROUP // 2:
@@ -98,7 +98,7 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
       weights: float [T, k]: each slot's weight (0 for a slot that counts for
         nothing: its row is still read, and 0 x inf is NaN as in XLA's sum).
       out_dtype: bfloat16 or float32.
-      hidden: H, a multiple of 256 (pairs.rows_packable).
+      hidden: H, a multiple of 256 (pairs.packable).
       block_t: tokens a grid step (default tiling.combine_block_t).
 
     Returns [T, H] in out_dtype.

@@ -665,7 +665,7 @@ def gmm(
       packed: the bf16 output written as pairs.pack_rows lays it out, uint32
         [M * pairs.row_words(N), 128] (N the output's columns): each row's words are
         contiguous, for the combine kernel to fetch by DMA. Needs a bf16
-        output, N a multiple of 256 (pairs.rows_packable) and the whole of N
+        output, N a multiple of 256 (pairs.packable) and the whole of N
         in one block.
 
     Returns:
@@ -754,7 +754,7 @@ def gmm(
     else:
         compute_dtype = rhs.dtype
     out_dtype = jnp.dtype(preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype))
-    if packed and (out_dtype != jnp.bfloat16 or not pairs.rows_packable(n_out)):
+    if packed and (out_dtype != jnp.bfloat16 or not pairs.packable(n_out)):
         raise ValueError(
             "gmm: packed needs a bfloat16 output of N a multiple of 256 columns; got"
             f" {out_dtype.name}, N={n_out}"

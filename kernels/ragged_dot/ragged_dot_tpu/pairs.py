@@ -3,8 +3,9 @@ gmm writes for the combine kernel (kernel_combine) to fetch row by row.
 
 Why: a row of a [S, H] bf16 array is not its own memory: bf16 packs two rows
 into each 32-bit sublane word, so one row cannot be copied by a DMA without
-its neighbour. As uint32 [S, H/2] each row is a sublane of its own, and the
-combine can fetch any token's rows by DMA where XLA would gather them.
+its neighbour. Packed, a row's words are its own; laid out by `pack_rows`
+they are whole (8, 128) tiles, one contiguous DMA, and the combine can fetch
+any token's rows where XLA would gather them.
 
 The pairing keeps packing and unpacking free of lane shuffles: word 128g + c
 of a row holds column 256g + c in its low half and column 256g + 128 + c in
@@ -24,7 +25,8 @@ HIGH = 0xFFFF0000
 
 
 def packable(n: int) -> bool:
-    """Whether [.., n] bf16 can be packed: whole 256-column groups."""
+    """Whether [.., n] bf16 can be packed (pack, pack_rows): whole 256-column
+    groups."""
     return n > 0 and n % GROUP == 0
 
 
@@ -45,11 +47,6 @@ def pack(y):
     *lead, n = y.shape
     groups = y.reshape(*lead, n // GROUP, 2, GROUP // 2)
     return pack_halves(groups[..., 0, :], groups[..., 1, :]).reshape(*lead, n // 2)
-
-
-def rows_packable(n: int) -> bool:
-    """Whether [S, n] bf16 can be laid out as `pack_rows` does."""
-    return packable(n)
 
 
 def row_words(n: int) -> int:

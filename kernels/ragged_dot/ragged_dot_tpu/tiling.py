@@ -826,8 +826,8 @@ def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
 
 COMBINE_BLOCK_T = 128
 COMBINE_SLOTS = 3  # row slots: one summed, two tiles' copies in flight
-# Its two row slots: the bytes of 2 x k x block_t packed rows. Within 3/4 of
-# the smallest default scoped VMEM of any generation (16 MiB), with the
+# Its row slots: the bytes of COMBINE_SLOTS x k x block_t packed rows. Within
+# 3/4 of the smallest default scoped VMEM of any generation (16 MiB), with the
 # output's blocks beside them.
 COMBINE_ROWS_BYTES = 8 * MiB
 
@@ -846,7 +846,7 @@ def combine_in_kernel(hidden: int, generation: str | None) -> bool:
     """Whether the MoE layer's combine runs as kernel_combine on packed rows
     (else XLA gathers and sums): H packable, and its rows unpadded or HBM
     slower than COMBINE_PADDED_MAX_HBM_BYTES_PER_S."""
-    if not pairs.rows_packable(hidden):
+    if not pairs.packable(hidden):
         return False
     padded = pairs.row_words(hidden) * pairs.GROUP != hidden
     gen = get_generation(generation)
