@@ -897,10 +897,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-combine-off",
         MOE,
-        "if down_combine is not None and not by_matmul:",
-        "if False:",
+        "    if down_combine is not None:\n",
+        "    if False:\n",
         (f"{T_MOE}::test_inference_combines_each_tokens_rows_in_the_combine_kernel",),
         "moe: inference gathers rows for the combine in XLA although the kernel applies",
+    ),
+    Mutant(
+        "moe-combine-one-hot-nan",
+        MOE,
+        "return jnp.where(bad[:, None], jnp.nan, res).astype(hidden.dtype) if by_matmul else res",
+        "return res",
+        (f"{T_MOE}::test_inference_combines_each_tokens_rows_in_the_combine_kernel",),
+        "moe: the one-hot range's combine kernel leaves a non-finite token's row finite",
     ),
     Mutant(
         "rms-ring-prefetch-slot",

@@ -269,17 +269,23 @@ def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
         assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)
 
 
-def test_inference_combines_each_tokens_rows_in_the_combine_kernel():
-    """Where the layer gathers (here 6 tokens, below the one-hot routing's
-    range, with blocks given so the one-launch kernel stands aside), inference
-    has the down gmm write packed rows and kernel_combine sum each token's;
-    training keeps the gather (its numerics: the tests above). Inference
-    matches transformers' layer with the bf16 test's bound."""
+@pytest.mark.parametrize("t", [6, 9], ids=["gathers", "one_hot"])
+def test_inference_combines_each_tokens_rows_in_the_combine_kernel(t):
+    """Whether the layer gathers its rows (6 tokens) or routes them by one-hot
+    matmuls (9: tiling.route_by_matmul's range), with blocks given so the
+    one-launch kernel stands aside, inference has the down gmm write packed
+    rows and kernel_combine sum each token's; training keeps the projection
+    (its numerics: the tests above). Inference matches transformers' layer
+    with the bf16 test's bound, and a token whose hidden state is not finite
+    gets a non-finite row while every other token's row is bit for bit what
+    it was (the one-hot dispatch zeroes that state, so the layer restores
+    the row as NaN after the combine)."""
     layout = LAYOUTS[0]
-    e, h, i, t, k = 4, 2048, 64, 6, 2
+    e, h, i, k = 4, 2048, 64, 2
     args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=12)
     cfg = tiling.MoeConfig(down=tiling.RaggedDotConfig(fwd=tiling.GmmConfig(16, h, 16)))
     f = lambda x, *rest: moe_experts(x, *rest, **_kw(layout, e), config=cfg)  # noqa: E731
+    assert tiling.route_by_matmul(t, jnp.bfloat16, jnp.bfloat16) == (t == 9)
     packed = (t * k * h // 256, 128)
     assert packed in _pallas_widths(jax.make_jaxpr(f)(*args))
     training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
@@ -287,3 +293,7 @@ def test_inference_combines_each_tokens_rows_in_the_combine_kernel():
     out = f(*args)
     assert out.dtype == jnp.bfloat16
     assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what="inference")
+    bad = np.asarray(f(args[0].at[1, 7].set(jnp.inf), *args[1:]), np.float32)
+    assert not np.isfinite(bad[1]).any()
+    rest = np.arange(t) != 1
+    np.testing.assert_array_equal(bad[rest], np.asarray(out, np.float32)[rest])
