@@ -161,7 +161,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-row-mask",
         GMM,
-        "return jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
+        "return jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)",
         "return ridx < r_hi",
         (f"{T_GMM}::test_gmm_edge_cases[50-64-256-sizes3-float32]",),
         "gmm: lower row mask dropped (a group overwrites its neighbour's shared tile rows)",
@@ -247,6 +247,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "x = x.astype(compute_dtype)",
         (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
         "tgmm: lhs rows outside the group not masked (NaN in padded rows leaks)",
+    ),
+    Mutant(
+        "row-passes-fresh",
+        GMM,
+        "fresh = r0 + jnp.where(lead, widest * sub, 0)",
+        "fresh = r0",
+        (
+            f"{T_GMM}::test_row_passes_keep_every_row_of_the_group_once",
+            f"{T_GMM}::test_tgmm_sums_each_row_once_where_tail_passes_reach_back",
+        ),
+        "row_passes: the tail window after a lead pass keeps the lead's rows again",
+    ),
+    Mutant(
+        "row-passes-window-start",
+        GMM,
+        "window_r0 = pl.multiple_of(jnp.maximum(a_hi - rows_b, 0), sub)",
+        "window_r0 = pl.multiple_of(jnp.maximum(a_hi - rows_b + sub, 0), sub)",
+        (f"{T_GMM}::test_row_passes_keep_every_row_of_the_group_once",),
+        "row_passes: the tail window starts a sublane tile late",
+    ),
+    Mutant(
+        "tgmm-fresh-ignored",
+        TGMM,
+        "keep = jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)",
+        "keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
+        (f"{T_GMM}::test_tgmm_sums_each_row_once_where_tail_passes_reach_back",),
+        "tgmm: rows a tail window reaches back over summed twice",
     ),
     Mutant(
         "tgmm-tile-end",
@@ -703,8 +730,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mx-once-columns",
         GMM,
-        "store(r0, size, c0, width, y, kept_rows(r0, size))",
-        "store(r0, size, 0, width, y, kept_rows(r0, size))",
+        "store(r0, size, c0, width, y, kept_rows(r0, size, fresh))",
+        "store(r0, size, 0, width, y, kept_rows(r0, size, fresh))",
         (f"{T_MX}::test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference",),
         "gmm: a many-row group's decoded pieces all written to the first columns",
     ),

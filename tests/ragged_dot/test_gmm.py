@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from ragged_dot_tpu import checks, moe, tiling
-from ragged_dot_tpu.kernel_gmm import gmm, gmm_dma_schedule
+from ragged_dot_tpu.kernel_gmm import gmm, gmm_dma_schedule, pass_sizes, row_passes
 from ragged_dot_tpu.api import ragged_dot
 from ragged_dot_tpu.reference import ragged_dot_reference, tgmm_reference
 from ragged_dot_tpu.reference_torch import ragged_dot_torch
@@ -66,8 +67,10 @@ def _sizes(draw, m, g):
 def _blocks(draw, m, dtype):
     sub = tiling.sublane(dtype)
     bm = draw(st.sampled_from([sub, 2 * sub, 4 * sub, tiling.round_up(max(m, 1), sub)]))
-    # Chunks of up to 8 sublane tiles: the tail of a group is issued as one
-    # pass per set bit of its remaining tiles (gmm.row_passes).
+    # Chunks of up to 8 sublane tiles: a group's tail is one pass of a power
+    # of two tiles ending at its last row, after a 4-tile pass past half a
+    # chunk (gmm.row_passes): windows that reach back over rows done, rows
+    # of the group before, and the tile's start.
     chunk = draw(st.sampled_from([sub, 2 * sub, 4 * sub, 8 * sub]))
     return bm, min(chunk, bm)
 
@@ -277,6 +280,26 @@ def test_tgmm_matches_reference_with_empty_groups(dtype):
     assert not np.asarray(out[1], np.float32).any() and not np.asarray(out[3], np.float32).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tgmm_sums_each_row_once_where_tail_passes_reach_back(dtype):
+    """tgmm sums rows over its passes, so a tail window reaching back over
+    rows an earlier pass took (row_passes) must not add them again. 8-tile
+    chunks, 16-tile row tiles; in sublane tiles, group 1 takes a chunk then a
+    4-tile window over 3 new tiles, group 3 a lead pass of 4 and a window,
+    group 4 (across the tile boundary) a lead pass and a 2-tile window."""
+    rng = np.random.default_rng(3)
+    sub = tiling.sublane(dtype)
+    scale = sub // 8
+    sizes = [9 * scale, 85 * scale, 0, 60 * scale, 40 * scale]
+    m, k, n = 200 * scale, 136, 256
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, grad = _rand(rng, (m, k), dtype), _rand(rng, (m, n), dtype)
+    lhs = lhs.at[sum(sizes) :].set(jnp.nan)
+    cfg = tiling.TgmmConfig(block_m=16 * sub, block_k=k, block_n=128, chunk_m=8 * sub)
+    out = tgmm(lhs, grad, gs, config=cfg, interpret=True)
+    _check_tgmm(out, lhs[: sum(sizes)], grad[: sum(sizes)], sizes)
+
+
 # bf16 only: f32 (and mixed) shards are drawn by test_mixed_dtypes_and_group_bias_match_reference.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16])
 def test_group_offset_shards_sum_to_full_result(dtype):
@@ -416,9 +439,64 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
         )
         assert t <= 1.15 * roofline, (t, roofline, launch.steps)
         # MXU rows: each group's rows rounded to the bf16 sublane tile (16),
-        # plus at most one extra tile where a group starts mid-tile.
-        rows_bound = sum(-(-int(c) // 16) * 16 + 16 for c in sizes if c)
+        # plus at most one extra tile where a group starts mid-tile, and its
+        # tail pass rounded up to a power of two tiles (row_passes): under
+        # twice that.
+        rows_bound = sum(2 * (-(-int(c) // 16) * 16 + 16) for c in sizes if c)
         assert launch.flops <= 2 * rows_bound * k * n
+
+
+@pytest.mark.parametrize("chunk_tiles", [1, 3, 8, 16])
+def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles):
+    """row_passes' contract, which tgmm's accumulation relies on: over the
+    passes it emits, each row of [r_lo, r_hi) is kept exactly once and no
+    other row ever (its tail window reaches back over rows already done and
+    rows before the group); the passes stay inside the tile, and their sizes
+    are pass_sizes' (the performance model's MXU rows). Every [r_lo, r_hi)
+    of a 64-row tile, 8-row sublane tiles, in one interpret-mode launch."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    sub, bm = 8, 64
+    chunk = min(chunk_tiles * sub, bm)
+    cases = [(lo, hi) for lo in range(bm) for hi in range(lo, bm + 1)]
+    los = jnp.asarray([c[0] for c in cases], jnp.int32)
+    his = jnp.asarray([c[1] for c in cases], jnp.int32)
+
+    def kernel(lo_ref, hi_ref, kept_ref, rows_ref):
+        kept_ref[...] = jnp.zeros_like(kept_ref)
+
+        def case(i, carry):
+            r_lo, r_hi = lo_ref[i], hi_ref[i]
+            rows_ref[i] = 0
+
+            def emit(r0, size, fresh):
+                ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+                keep = jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)
+                kept_ref[i, pl.ds(r0, size), :] += keep.astype(jnp.int32)
+                rows_ref[i] += size
+
+            row_passes(r_lo, r_hi, sub=sub, chunk=chunk, emit=emit)
+            return carry
+
+        lax.fori_loop(0, len(cases), case, 0)
+
+    kept, rows = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((len(cases), bm, 128), jnp.int32),
+            jax.ShapeDtypeStruct((len(cases),), jnp.int32),
+        ),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] * 2,
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pltpu.SMEM)),
+        interpret=True,
+    )(los, his)
+    kept, rows = np.asarray(kept)[:, :, 0], np.asarray(rows)
+    for i, (lo, hi) in enumerate(cases):
+        want = np.zeros(bm, np.int32)
+        want[lo:hi] = 1
+        np.testing.assert_array_equal(kept[i], want, err_msg=f"rows [{lo}, {hi})")
+        assert rows[i] == sum(pass_sizes(lo, hi, sub=sub, chunk=chunk)), (lo, hi)
 
 
 # --- bad input -----------------------------------------------------------

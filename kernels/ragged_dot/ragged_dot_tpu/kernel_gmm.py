@@ -28,9 +28,12 @@ that:
   tiles beyond the rows of this shard's groups re-use the previous lhs block,
   so padded rows past ``sum(group_sizes)`` are never read.
 * MXU work per group is its rows rounded to the sublane tile (8 rows f32,
-  16 bf16): rows are issued in ``chunk_m`` passes while that many remain,
-  then sublane-sized passes. A sublane tile shared with the neighbouring
-  group is computed by both and merged with a row mask on store.
+  16 bf16), issued in ``chunk_m`` passes while that many remain; the tail
+  is one pass of a power of two sublane tiles ending at the group's last
+  row (two past half a chunk; ``row_passes``), since every pass pushes the
+  group's weights into the MXU again. Rows a pass covers that are not the
+  group's, or were stored by an earlier pass, are merged with a row mask
+  on store.
 * Every output tile is zeroed before groups write into it, so rows past
   ``sum(group_sizes)`` and rows of other shards' groups are exactly zero.
 
@@ -149,40 +152,86 @@ def lhs_row_tile(t_i, ends_ref, goff_ref, *, m, block_m, num_groups, num_local):
 
 
 def row_passes(r_lo, r_hi, *, sub, chunk, emit):
-    """Calls emit(r0, size) over sublane-aligned passes covering [r_lo, r_hi).
+    """Calls emit(r0, size, fresh) over sublane-aligned passes covering
+    [r_lo, r_hi); rows of a pass before `fresh` were covered by an earlier
+    pass, so emit keeps rows [max(r_lo, fresh), r_hi) of it.
 
-    `chunk`-row passes while that many rows remain, then one pass per set bit
-    of the remaining sublane count (e.g. 48 rows: 32 + 16), so the MXU sees
-    the group's rows rounded to the sublane tile, not a tile, and the weights
-    are pushed into the MXU at most log2(chunk / sub) + 1 times for the tail
-    rather than once per sublane tile.
+    `chunk`-row passes while that many rows remain; the tail (fewer than
+    `chunk` rows) is one pass of the smallest power of two sublane tiles
+    that covers it, ending at the group's last tile (so it reaches back over
+    rows already done, or before the group, which emit does not keep), after
+    one pass of the widest tail size where the tail is wider than that.
+    Each pass pushes the group's weights into the MXU again, and a narrow
+    pass is bound by those pushes, not by its rows: one tail pass, or two,
+    instead of one per set bit of the tail's tile count (up to five at
+    512-row chunks).
     """
     # lax.div, not //: floor division lowers through sign(), which Mosaic
     # resolves against the attached chip (none when compiling ahead of time).
     a_lo = lax.div(r_lo, sub) * sub
     a_hi = lax.div(r_hi + sub - 1, sub) * sub
-    n_sub = lax.div(a_hi - a_lo, sub)
+    n_sub = jnp.where(r_hi > r_lo, lax.div(a_hi - a_lo, sub), 0)
     per_chunk = chunk // sub
     n_big = lax.div(n_sub, per_chunk)
     n_small = n_sub - n_big * per_chunk
 
     def big(i, c):
-        emit(pl.multiple_of(a_lo + i * chunk, sub), chunk)
+        r0 = pl.multiple_of(a_lo + i * chunk, sub)
+        emit(r0, chunk, r0)
         return c
 
     lax.fori_loop(0, n_big, big, 0)
-    # Tail passes, widest first: bit b of n_small is a pass of sub << b rows,
-    # starting after the chunks and the wider tail passes.
+    if per_chunk == 1:
+        return
     r0 = a_lo + n_big * chunk
-    for b in reversed(range(max(per_chunk - 1, 0).bit_length())):
+    widest = 1 << ((per_chunk - 1).bit_length() - 1)  # tail sizes: 1, 2, 4, ..., widest tiles
+    lead = n_small > widest
+    rest = n_small - jnp.where(lead, widest, 0)
+    fresh = r0 + jnp.where(lead, widest * sub, 0)
+    for b in range(widest.bit_length()):
+        tiles = 1 << b
         rows_b = sub << b
-        if rows_b >= chunk:
-            continue
-        taken = lax.shift_right_logical(n_small, b + 1) << (b + 1)
+        window = jnp.logical_and(rest > tiles // 2, rest <= tiles)
+        window_r0 = pl.multiple_of(jnp.maximum(a_hi - rows_b, 0), sub)
+        if tiles < widest:
 
-        @pl.when(lax.bitwise_and(n_small, 1 << b) != 0)
-        def _():
-            emit(pl.multiple_of(r0 + taken * sub, sub), rows_b)
+            @pl.when(window)
+            def _():
+                emit(window_r0, rows_b, fresh)
+
+            continue
+
+        # The widest size runs the lead pass and the window from one site
+        # (Mosaic gives every site its own temporaries: tiling.pass_rows).
+        def widest_pass(i, c):
+            first = jnp.logical_and(lead, i == 0)
+            emit(
+                pl.multiple_of(jnp.where(first, r0, window_r0), sub),
+                rows_b,
+                jnp.where(first, r0, fresh),
+            )
+            return c
+
+        count = lead.astype(jnp.int32) + window.astype(jnp.int32)
+        lax.fori_loop(0, count, widest_pass, 0)
+
+
+def pass_sizes(r_lo: int, r_hi: int, *, sub: int, chunk: int) -> list[int]:
+    """The rows of each pass row_passes emits for [r_lo, r_hi), on the host
+    (the performance model's MXU rows; tests compare it with the kernel's
+    traced flops)."""
+    r_lo, r_hi = int(r_lo), int(r_hi)
+    n_sub = -(-r_hi // sub) - r_lo // sub if r_hi > r_lo else 0
+    per_chunk = chunk // sub
+    n_big, n_small = divmod(n_sub, per_chunk)
+    sizes = [chunk] * n_big
+    if n_small:
+        widest = 1 << ((per_chunk - 1).bit_length() - 1)
+        if n_small > widest:
+            sizes.append(widest * sub)
+            n_small -= widest
+        sizes.append(sub << (n_small - 1).bit_length())
+    return sizes
 
 
 def for_each_piece(n_pieces, piece, unroll=1):
@@ -471,11 +520,12 @@ def _gmm_kernel(
                 preferred_element_type=jnp.float32,
             )
 
-        def kept_rows(r0, size):
-            """Which rows of a pass are the group's (a sublane tile shared with
-            the neighbouring group is merged, not overwritten)."""
+        def kept_rows(r0, size, fresh):
+            """Which rows of a pass are the group's and not already stored (a
+            sublane tile shared with the neighbouring group is merged, not
+            overwritten; row_passes' tail window reaches back)."""
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-            return jnp.logical_and(ridx >= r_lo, ridx < r_hi)
+            return jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)
 
         def store(r0, size, c0, width, y, keep):
             if packed:
@@ -518,13 +568,13 @@ def _gmm_kernel(
             the VPU's work, is paid once per piece, not once per pass."""
             wdec[:, pl.ds(0, width)] = mx_piece(c0, width)
 
-            def emit_mx(r0, size):
+            def emit_mx(r0, size, fresh):
                 y = rows_dot(r0, size, wdec[:, pl.ds(0, width)])
-                store(r0, size, c0, width, y, kept_rows(r0, size))
+                store(r0, size, c0, width, y, kept_rows(r0, size, fresh))
 
             row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx)
 
-        def emit(r0, size):
+        def emit(r0, size, fresh):
             row_scale = None
             if scale_axis in ("n", "k", None):  # block_dot and the FP4 path read their own rows
                 x = lhs_ref[pl.ds(r0, size), :]
@@ -534,7 +584,7 @@ def _gmm_kernel(
                     x, row_scale = w8a8.quantize_rows(x, wbuf.dtype)
                 else:
                     x = x.astype(compute_dtype)
-            keep = kept_rows(r0, size)
+            keep = kept_rows(r0, size, fresh)
 
             def columns(c0, width):
                 if glu:
@@ -973,8 +1023,8 @@ def gmm_dma_schedule(
             a, b = max(starts[g], t * bm), min(ends[g], t * bm + bm)
             if a >= b:
                 continue
-            r_lo, r_hi = a - t * bm, b - t * bm
-            mxu_rows += (-(-r_hi // sub) - r_lo // sub) * sub
+            chunk = min(cfg.chunk_m, bm)
+            mxu_rows += sum(pass_sizes(a - t * bm, b - t * bm, sub=sub, chunk=chunk))
     w_slab = k * bn * rhs_bytes
     return {
         "grid_steps": n_blocks * tiles,

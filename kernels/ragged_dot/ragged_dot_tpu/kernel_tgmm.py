@@ -126,9 +126,11 @@ def _tgmm_kernel(
         r_lo = jnp.maximum(lo, tile_lo) - tile_lo
         r_hi = jnp.minimum(hi, tile_hi) - tile_lo
 
-        def emit(r0, size):
+        def emit(r0, size, fresh):
+            # Rows done by an earlier pass would be summed twice: only
+            # [max(r_lo, fresh), r_hi) of a pass are the group's new rows.
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-            keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)
+            keep = jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)
             x = lhs_ref[pl.ds(r0, size), :]
             x = jnp.where(keep, x, jnp.zeros_like(x)).astype(compute_dtype)
 

@@ -15,7 +15,7 @@ Two regimes fall out of the row count M:
 * decode (``round_up(M, sublane) <= decode_max_rows``): one row tile holding
   all of lhs/out, single-buffered. Steps = number of N blocks (usually 1-2).
   Rows per group are few; MXU passes are sized to them (``chunk_m`` then
-  sublane-sized remainders), not to a tile.
+  a power of two sublane tiles for the remainder), not to a tile.
 * prefill: ``block_m`` rows per tile from the table below. Each group spans
   many tiles; its weights stay resident across them and are fetched once.
 
@@ -42,7 +42,8 @@ v5p        64 MiB      48 MiB  4096            512             128
 
 ``chunk_m`` is the MXU pass height (the systolic array is 128 deep on v5e/v5p,
 256 on v6e/tpu7x). A group's rows are issued as ``chunk_m``-row passes while
-at least that many remain, then as sublane-sized passes (8 rows f32, 16 bf16).
+at least that many remain, then its tail as one pass (two past half a chunk)
+of a power of two sublane tiles (8 rows f32, 16 bf16; kernel_gmm.row_passes).
 
 tgmm (d_rhs) tiles (K, N) of the output with an f32 accumulator and walks the
 rows the same way; its blocks are searched with the same budget and model.
@@ -383,7 +384,8 @@ def weight_buffers(k: int, bn: int, w_dtype, gen: Generation) -> int:
 
 def pass_rows(chunk: int, sub: int) -> int:
     """Rows of every row-pass shape gmm emits (gmm.row_passes): `chunk`, then
-    tail passes of sub << b rows below it (128 and 16: 128 + 64 + 32 + 16).
+    one site per tail size, sub << b rows below it (128 and 16: 128 + 64 +
+    32 + 16).
     Mosaic gives each shape its own temporaries: counting only the chunk left
     Mixtral's down projection (K = 14336, 8192 tokens) on v5e needing 96.6 MiB
     against a 93.6 MiB estimate and the 96 MiB limit. (tgmm's estimate, which
