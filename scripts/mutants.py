@@ -235,8 +235,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tgmm-acc-overwrite",
         TGMM,
-        "acc_ref[:, pl.ds(c0, piece_n)] += lax.dot_general(",
-        "acc_ref[:, pl.ds(c0, piece_n)] = lax.dot_general(",
+        "= jnp.where(stale, 0.0, prev) + lax.dot_general(",
+        "= lax.dot_general(",
         (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
         "tgmm: accumulator overwritten per row pass",
     ),
@@ -274,6 +274,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "keep = jnp.logical_and(ridx >= r_lo, ridx < r_hi)",
         (f"{T_GMM}::test_tgmm_sums_each_row_once_where_tail_passes_reach_back",),
         "tgmm: rows a tail window reaches back over summed twice",
+    ),
+    Mutant(
+        "tgmm-acc-not-reset",
+        TGMM,
+        "            # them, 4,770 a group); the next group's first pass overwrites.\n            state_ref[2] = 1",
+        "            # them, 4,770 a group); the next group's first pass overwrites.\n            state_ref[2] = 0",
+        (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
+        "tgmm: a finished group's sums carried into the next group's",
     ),
     Mutant(
         "tgmm-tile-end",

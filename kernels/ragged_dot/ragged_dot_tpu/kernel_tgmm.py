@@ -77,7 +77,8 @@ def _tgmm_kernel(
     k_i, n_i, t_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
     # state: 0 = cursor over local groups in this (K, N) slab, 1 = output DMAs
-    # issued so far (slot = count % 2).
+    # issued so far (slot = count % 2), 2 = 1 while the accumulator holds a
+    # finished group's sums (the next group's first pass overwrites them).
 
     def out_copy(src, j, slot):
         kc, nc = k_i * block_k, n_i * block_n
@@ -99,7 +100,7 @@ def _tgmm_kernel(
     @pl.when(t_i == 0)
     def _new_slab():
         state_ref[0] = 0
-        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+        state_ref[2] = 1
 
     def emit_out(j, from_acc):
         c = state_ref[1]
@@ -112,7 +113,10 @@ def _tgmm_kernel(
         if from_acc:
             stage_ref[slot] = acc_ref[...].astype(stage_ref.dtype)
             out_copy(stage_ref.at[slot], j, slot).start()
-            acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+            # Not zeroed here: the stores are the scarce slot (tpu7x, Qwen3's
+            # gate/up at 8,192 tokens: this epilogue's loop was bound by
+            # them, 4,770 a group); the next group's first pass overwrites.
+            state_ref[2] = 1
         else:
             out_copy(zero_ref, j, slot).start()
         state_ref[1] = c + 1
@@ -139,7 +143,8 @@ def _tgmm_kernel(
                 c0 = pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0
                 dy = grad_ref[pl.ds(r0, size), pl.ds(c0, piece_n)]
                 dy = jnp.where(keep, dy, jnp.zeros_like(dy)).astype(compute_dtype)
-                acc_ref[:, pl.ds(c0, piece_n)] += lax.dot_general(
+                prev = acc_ref[:, pl.ds(c0, piece_n)]
+                acc_ref[:, pl.ds(c0, piece_n)] = jnp.where(stale, 0.0, prev) + lax.dot_general(
                     x,
                     dy,
                     (((0,), (0,)), ((), ())),
@@ -148,7 +153,9 @@ def _tgmm_kernel(
                 )
                 return carry
 
+            stale = state_ref[2] != 0
             for_each_piece(n_pieces, piece)
+            state_ref[2] = 0
 
         row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
 
@@ -315,7 +322,7 @@ def tgmm(
                 pltpu.VMEM((2, bk, bn), out_dtype),
                 pltpu.VMEM((bk, bn), out_dtype),
                 pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SMEM((2,), jnp.int32),
+                pltpu.SMEM((3,), jnp.int32),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
