@@ -20,9 +20,12 @@ groups touching each tile with a cursor kept in SMEM across steps:
 
 Inputs move through the normal BlockSpec pipeline; row tiles outside this
 shard's rows re-use the previous block, so they are never read. Rows are
-issued to the MXU as ``chunk_m`` passes then sublane-sized passes, masked at
-the group boundaries (both operands, so garbage in padded rows cannot leak
-through 0 * NaN).
+issued to the MXU as gmm's ``row_passes`` issue them (``chunk_m`` passes,
+then one or two tail passes that may reach back over rows already summed),
+masked to the group's new rows (both operands, so garbage in padded rows
+cannot leak through 0 * NaN, and no row is summed twice). The f32
+accumulator is not zeroed between groups: a flag makes the next group's
+first pass overwrite it.
 
 Expert parallelism: ``group_sizes`` covers all groups; the shard computes
 groups ``[group_offset, group_offset + num_groups)``.
