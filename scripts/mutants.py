@@ -235,8 +235,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tgmm-acc-overwrite",
         TGMM,
-        "= jnp.where(stale, 0.0, prev) + lax.dot_general(",
-        "= lax.dot_general(",
+        "acc_ref[:, pl.ds(c0, piece_n)] += d",
+        "acc_ref[:, pl.ds(c0, piece_n)] = d",
         (f"{T_GMM}::test_tgmm_matches_reference_with_empty_groups",),
         "tgmm: accumulator overwritten per row pass",
     ),

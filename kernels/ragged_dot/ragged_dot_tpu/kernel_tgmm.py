@@ -25,7 +25,8 @@ then one or two tail passes that may reach back over rows already summed),
 masked to the group's new rows (both operands, so garbage in padded rows
 cannot leak through 0 * NaN, and no row is summed twice). The f32
 accumulator is not zeroed between groups: a flag makes the next group's
-first pass overwrite it.
+first pass overwrite it (a second copy of the pass's piece loop, which
+stores the products; a select in one loop cost the MXU loop more stores).
 
 Expert parallelism: ``group_sizes`` covers all groups; the shard computes
 groups ``[group_offset, group_offset + num_groups)``.
@@ -142,22 +143,33 @@ def _tgmm_kernel(
             x = jnp.where(keep, x, jnp.zeros_like(x)).astype(compute_dtype)
 
             # Column pieces of the accumulator keep the unrolled MXU code small.
-            def piece(c, carry):
+            def piece(c, carry, first):
                 c0 = pl.multiple_of(c * piece_n, piece_n) if n_pieces > 1 else 0
                 dy = grad_ref[pl.ds(r0, size), pl.ds(c0, piece_n)]
                 dy = jnp.where(keep, dy, jnp.zeros_like(dy)).astype(compute_dtype)
-                prev = acc_ref[:, pl.ds(c0, piece_n)]
-                acc_ref[:, pl.ds(c0, piece_n)] = jnp.where(stale, 0.0, prev) + lax.dot_general(
+                d = lax.dot_general(
                     x,
                     dy,
                     (((0,), (0,)), ((), ())),
                     precision=precision,
                     preferred_element_type=jnp.float32,
                 )
+                if first:
+                    acc_ref[:, pl.ds(c0, piece_n)] = d
+                else:
+                    acc_ref[:, pl.ds(c0, piece_n)] += d
                 return carry
 
             stale = state_ref[2] != 0
-            for_each_piece(n_pieces, piece)
+
+            @pl.when(stale)
+            def _():
+                for_each_piece(n_pieces, functools.partial(piece, first=True))
+
+            @pl.when(jnp.logical_not(stale))
+            def _():
+                for_each_piece(n_pieces, functools.partial(piece, first=False))
+
             state_ref[2] = 0
 
         row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit)
