@@ -940,10 +940,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "moe-combine-one-hot-nan",
         MOE,
-        "return jnp.where(bad[:, None], jnp.nan, res).astype(hidden.dtype) if by_matmul else res",
-        "return res",
+        "        res = jnp.where(bad[:, None], jnp.nan, res)\n",
+        "        res = res\n",
         (f"{T_MOE}::test_inference_combines_each_tokens_rows_in_the_combine_kernel",),
-        "moe: the one-hot range's combine kernel leaves a non-finite token's row finite",
+        "moe: in the one-hot range a token whose hidden state is not finite gets a finite row",
     ),
     Mutant(
         "rms-ring-prefetch-slot",
