@@ -279,6 +279,76 @@ def test_forward_slabs_match_reference(causal):
     _dense_case(seed=5, hq=8, hkv=2, sq=300, skv=300, d=64, causal=causal, block_sizes=SLABBED)
 
 
+# The forward's fully visible pairs run in lane chunks (tiling.fwd_chunk_lanes)
+# through a two-buffer pipeline: chunks made of several heads' units, chunks
+# inside one head's unit, and units of one head a chunk. (group, block_q,
+# block_kv, slab_rows) -> (positions a unit, query rows a chunk, chunks a
+# unit). Sub-tiles as large as the blocks are none: the unit is the block.
+CHUNK_LAYOUTS = {
+    "heads-in-a-chunk": ((8, 256, 128, 1024), (128, 512, 2)),
+    "chunks-in-a-head": ((1, 1024, 1024, 0), (1024, 512, 2)),
+    "a-head-a-chunk": ((2, 512, 512, 0), (512, 512, 2)),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", sorted(CHUNK_LAYOUTS))
+def test_forward_chunk_layouts_match_reference(layout, dtype):
+    (group, block_q, block_kv, slab_rows), want = CHUNK_LAYOUTS[layout]
+    bs = tiling.BlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_q_bwd=128,
+        block_kv_bwd=128,
+        max_rows=4096,
+        sub_block=block_kv,
+        slab_rows=slab_rows,
+    )
+    t = 2 * block_q + 40  # a fully visible pair, the diagonal's, and a ragged tail
+    plan = tiling.plan(
+        generation="v6e",
+        q_len=t,
+        kv_len=t,
+        group=group,
+        head_dim=64,
+        head_dim_v=64,
+        itemsize=2,
+        block_sizes=bs,
+    )
+    slab = tiling.slab(plan.fwd, plan.slab_rows, group)
+    sub = bsched.sub_tiles(plan.fwd, block_kv, eligible=True, rows=slab)
+    unit = sub[0] if sub is not None else (slab or plan.fwd.block_pos)
+    lanes = tiling.fwd_chunk_lanes(group, unit)
+    assert (unit, lanes, group * unit // lanes) == want
+    _dense_case(
+        seed=len(layout),
+        hq=group,
+        hkv=1,
+        sq=t,
+        skv=t,
+        d=64,
+        dtype=dtype,
+        causal=True,
+        block_sizes=bs,
+    )
+
+
+def test_full_pairs_keep_the_running_maximum_in_logit_units():
+    # The fully visible pairs fold the softmax scale into exp2 and compare raw
+    # scores' maxima, scaled, with the state the masked pairs keep in logit
+    # units. Logits ~40x the usual: a maximum left unscaled (8x too large at
+    # D = 64) would underflow every probability of the row to 0.
+    t, d = 256, 64
+    rng = np.random.default_rng(3)
+    q = 40.0 * rng.standard_normal((1, 4, t, d))
+    k, v = rng.standard_normal((2, 1, 1, t, d))
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    o, lse = fa.flash_attention(q, k, v, causal=True, config=SMALL, interpret=True, return_lse=True)
+    ro, rlse = ref.attention_reference(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), rtol=1e-5)
+
+
 def test_gqa_8_causal_cross_lengths_f32():
     # Sq > Skv: bottom-right alignment leaves the first rows with no key.
     o, grads = _dense_case(hq=8, hkv=1, sq=150, skv=100, causal=True)
@@ -711,12 +781,12 @@ def _issued_over_useful(t, d, generation, group=4):
 
 def test_causal_grid_visits_only_lower_triangle_v6e():
     r = _issued_over_useful(8192, 128, "v6e")
-    assert r["plan"].fwd.block_pos == 512 and r["plan"].fwd.block_kv == 1024
-    # Lower-triangle block pairs only: q block i sees kv blocks 0..i // 2.
-    assert r["fwd_steps"] == sum(i // 2 + 1 for i in range(16))
+    assert r["plan"].fwd.block_pos == 1024 and r["plan"].fwd.block_kv == 1024
+    # Lower-triangle block pairs only: q block i sees kv blocks 0..i.
+    assert r["fwd_steps"] == sum(i + 1 for i in range(8))
     for kernel in ("fwd", "dq", "dkdv"):
         # Whole 512-key diagonal blocks would give 17/16 = 1.0625 (the forward's
-        # 1024-key blocks more); 256-key sub-tiles halve the diagonal's waste.
+        # 1024-position blocks 9/8); 256-key sub-tiles cut the diagonal's waste.
         assert r[kernel] <= 1.04, (kernel, r[kernel])
 
 
@@ -799,8 +869,12 @@ def test_table_fits_vmem(generation):
                         itemsize=itemsize,
                     )
                     budget = tiling.VMEM_BUDGET_BYTES[generation]
+                    unit = tiling.unit_rows(plan.fwd, plan.slab_rows, group)
+                    fwd = tiling.fwd_vmem_bytes(
+                        plan.fwd.rows, plan.fwd.block_kv, d, dv, itemsize, unit
+                    )
+                    assert fwd <= budget
                     for geom, est in (
-                        (plan.fwd, tiling.fwd_vmem_bytes),
                         (plan.dkdv, tiling.dkdv_vmem_bytes),
                         (plan.dq, tiling.dq_vmem_bytes),
                     ):
@@ -837,13 +911,15 @@ def test_long_sequences_take_the_long_table_entry():
         )
         return p.fwd.block_kv, p.slab_rows
 
-    assert fwd("v6e", 8192, 8192) == (1024, 512)
     bwd = tiling.plan(
         generation="v6e", q_len=8192, kv_len=8192, group=4, head_dim=128, head_dim_v=128, itemsize=2
     )
     assert bwd.dkdv.block_kv == bwd.dq.block_kv == 1024
-    assert fwd("v6e", 2048, 2048) == (512, 512)
-    assert fwd("v6e", 2048, 8192) == (512, 512)  # short queries: the diagonal still matters
+    short = tiling.plan(
+        generation="v6e", q_len=2048, kv_len=2048, group=4, head_dim=128, head_dim_v=128, itemsize=2
+    )
+    assert short.dkdv.block_kv == short.dq.block_kv == 512
+    assert fwd("v6e", 2048, 2048) == fwd("v6e", 8192, 8192) == (1024, 1024)
     assert fwd("tpu7x", 8192, 8192) == fwd("tpu7x", 2048, 2048)  # no long entry: prefill's
 
 

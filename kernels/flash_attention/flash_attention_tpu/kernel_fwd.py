@@ -49,6 +49,7 @@ from . import schedule as bsched
 from . import tiling
 
 NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN
+LOG2E = 1.4426950408889634
 ONES_ROWS = 16  # the forward's row of ones below V^T, padded to a packed bf16 tile
 NT_DIMS = (((1,), (1,)), ((), ()))
 NN_DIMS = (((1,), (0,)), ((), ()))
@@ -292,11 +293,18 @@ def _run_pair(prm, i, j, flags, tile):
 # the p the numerator uses, rounded to V's dtype. The output is transposed
 # once per q block, at the end.
 #
-# The units of a fully visible pair are unrolled (a Python loop): the
-# scheduler gets independent chains with disjoint, static state addresses
-# to interleave, where a fori_loop ran each unit's pops -> max -> exp ->
-# matmul phases one after another (v6e 3,228 -> 3,129 us at 64-position
-# units, tpu7x 2,168 -> 2,037).
+# A fully visible pair runs as a software pipeline over lane chunks of its
+# units (tiling.fwd_chunk_lanes: 512 query rows, both 256-wide MXUs): step c
+# computes chunk c+1's scores into one of two VMEM buffers while chunk c's
+# exp and PV matmul read the other, inside a fori_loop. Scores held as one
+# value of a whole unit spilled: the compiler popped every QK result to a
+# spill slot, reloaded it, scaled it and spilled it again, and the pair was
+# bound by vector stores (v6e T = 8k causal: 7,548 stores and 6,139
+# bundles a pair against 3,200 MXU cycles). The explicit buffers store each
+# score once; the loop body holds one chunk of each phase, so the scheduler
+# overlaps them without hoisting every QK matmul ahead (unrolled, it did, and
+# spilled again). Without a soft cap, the softmax scale folds into exp2's
+# multiplier: one VALU multiply per score fewer.
 
 
 def _unit_pairs(prm, i, j, flags, tile, full=None):
@@ -339,8 +347,8 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
     # m: (units, 1, Gb * unit); acc: (units, Dv + 16, Gb * unit), row Dv = l;
-    # vt: (Dv + 16, bkv), row Dv = ones
-    o_ref, lse_ref, m_ref, acc_ref, vt_ref = refs
+    # vt: (Dv + 16, bkv), row Dv = ones; s0/s1: (bkv, chunk lanes) score buffers
+    o_ref, lse_ref, m_ref, acc_ref, vt_ref, s0_ref, s1_ref = refs
     dv = prm.head_dim_v
 
     g = prm.geom
@@ -388,19 +396,74 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     def tile(masked, a, k0, ck):
         update(masked, a, k0, ck, scores(a, k0, ck))
 
-    def pipelined():
-        # The next unit's scores are issued before this unit's softmax, so
-        # the MXU, which runs its ops in program order, has the next QK
-        # matmul to work on while the VPU and EUP exponentiate this one.
-        bkv = g.block_kv
-        nxt = scores(0, 0, bkv)
-        for a in range(units):
-            s = nxt
-            if a + 1 < units:
-                nxt = scores(a + 1, 0, bkv)
-            update(False, a, 0, bkv, s)
+    lc = tiling.fwd_chunk_lanes(gb, unit)
+    per = gb * unit // lc  # chunks per unit
+    kc = tiling.fwd_chunk_keys(g.block_kv)
+    fold = prm.softcap is None
 
-    _unit_pairs(prm, i, j, flags, tile, pipelined)
+    def chunk_q(a, l0):
+        """Query rows of lanes l0:l0+lc (static) of unit a (traced)."""
+        start = a * unit if isinstance(a, int) else pl.multiple_of(a * unit, unit)
+        if lc > unit:  # whole units of several heads
+            heads = range(l0 // unit, (l0 + lc) // unit)
+            return jnp.concatenate([q_ref[hh, pl.ds(start, unit), :] for hh in heads], axis=0)
+        return q_ref[l0 // unit, pl.ds(start + l0 % unit, lc), :]
+
+    def chunk_scores(a, l0, s_buf):
+        """Scores of a chunk into s_buf; returns its (m_new, alpha)."""
+        s = lax.dot_general(k_ref[...], chunk_q(a, l0), NT_DIMS, preferred_element_type=jnp.float32)
+        if not fold:
+            s, _ = _logits(prm, s)
+        s_buf[...] = s
+        m_prev = m_ref[a, :, l0 : l0 + lc]
+        row_max = jnp.max(s, axis=0, keepdims=True)
+        m_new = jnp.maximum(m_prev, row_max * prm.scale if fold else row_max)
+        m_ref[a, :, l0 : l0 + lc] = m_new
+        return m_new, jnp.exp(m_prev - m_new)
+
+    def chunk_update(a, l0, s_buf, m_new, alpha):
+        acc = acc_ref[a, :, l0 : l0 + lc] * alpha
+        for k0 in range(0, g.block_kv, kc):
+            s = s_buf[k0 : k0 + kc, :]
+            if fold:  # m is in logit units: exp(s * scale - m) as one exp2
+                p = jnp.exp2(s * (prm.scale * LOG2E) - m_new * LOG2E)
+            else:
+                p = jnp.exp(s - m_new)
+            acc = acc + _dot_f32(
+                vt_ref[:, k0 : k0 + kc], p.astype(vt_ref.dtype), NN_DIMS, interpret
+            )
+        acc_ref[a, :, l0 : l0 + lc] = acc
+
+    def full_pair():
+        # Chunk c = depth * k + r (r static) uses buffer c % 2; depth is a
+        # whole number of units and even, so both stay static in the body.
+        n = units * per
+        depth = per if per % 2 == 0 else 2 * per
+        bufs = (s0_ref, s1_ref)
+
+        def at(k, r):
+            return k * (depth // per) + r // per, (r % per) * lc
+
+        def body(k, st):
+            for r in range(depth):
+                nxt = chunk_scores(*at(k, r + 1), bufs[(r + 1) % 2])
+                chunk_update(*at(k, r), bufs[r % 2], *st)
+                st = nxt
+            return st
+
+        trips = (n - 1) // depth
+        st = chunk_scores(*at(0, 0), bufs[0])
+        if unit % (32 // q_ref.dtype.itemsize):  # units not whole packed sublane tiles
+            for k in range(trips):  # static row offsets
+                st = body(k, st)
+        else:
+            st = lax.fori_loop(0, trips, body, st)
+        for c in range(depth * trips, n):
+            nxt = chunk_scores(*at(0, c + 1), bufs[(c + 1) % 2]) if c + 1 < n else None
+            chunk_update(*at(0, c), bufs[c % 2], *st)
+            st = nxt
+
+    _unit_pairs(prm, i, j, flags, tile, full_pair)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
@@ -523,6 +586,7 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
         pltpu.VMEM((units, prm.head_dim_v + ONES_ROWS, gb * unit), jnp.float32),
         pltpu.VMEM((prm.head_dim_v + ONES_ROWS, g.block_kv), v.dtype),
     ]
+    scratch += [pltpu.VMEM((g.block_kv, tiling.fwd_chunk_lanes(gb, unit)), jnp.float32)] * 2
     steps = sched.shape[0]
     itemsize = q5.dtype.itemsize
     cost = pl.CostEstimate(

@@ -21,6 +21,16 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   and 256-wide query blocks for head_dim 256.
 * Stacked rows are capped (`max_rows`): past ~2k rows the f32 logits block
   (rows x block_kv) dominates VMEM without reducing HBM traffic further.
+  The forward's cap (`max_rows_fwd`) is its own: its fully visible pairs
+  hold one 512-row chunk of scores at a time (kernel_fwd.py), so it takes
+  1024-position query blocks and 1024-key blocks on v6e and tpu7x
+  (4096 stacked rows at 32/8 heads), which halves the steps and the
+  pipeline's prologue and epilogue a step pays. Scheduled, T = 8k causal,
+  32/8 heads, against 512-position blocks with the same kernel: v6e d=128
+  2,036 -> 1,616 us, d=64 1,891 -> 1,467, d=256 2,326 -> 1,940; tpu7x d=128
+  1,802 -> 1,432; at 2k v6e d=128 179 -> 159. 2048-position blocks and
+  2048-key blocks were slower (v6e 8k d=128 1,723 and 1,761), 512-key ones
+  too (1,787).
 * Decode (q_len < 128). Rows are (position, head) pairs of one K/V head, the
   kernel is HBM-bound on K/V, and the MXU work is tiny, so K/V blocks are
   long (few steps, long DMAs).
@@ -53,6 +63,7 @@ policy, torch_bindings/tpu_info.py (3/4 of a TensorCore's VMEM: v5e/v6e 96 of
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ._torch_bindings import tpu_info
 
@@ -84,6 +95,8 @@ class BlockSizes:
     block_q / block_kv: forward kernel (query positions, keys).
     block_q_bwd / block_kv_bwd: dK/dV and dQ kernels.
     max_rows: cap on stacked matmul rows (G * block_q) per block.
+    max_rows_fwd: the forward's cap (0: max_rows). Its fully visible pairs
+      hold one lane chunk of scores at a time, not the block's.
     sub_block: sub-tile edge for pairs the mask cuts (diagonal, window
       edges): only sub-tiles holding a visible entry reach the MXU.
     slab_rows: forward only: matmul rows whose scores one loop step computes
@@ -97,11 +110,16 @@ class BlockSizes:
     max_rows: int = 2048
     sub_block: int = 256
     slab_rows: int = 0
+    max_rows_fwd: int = 0
 
     def __post_init__(self):
         if not isinstance(self.slab_rows, int) or self.slab_rows < 0 or self.slab_rows % 8:
             raise ValueError(
                 f"slab_rows: expected 0 or a positive multiple of 8, got {self.slab_rows!r}"
+            )
+        if not isinstance(self.max_rows_fwd, int) or self.max_rows_fwd < 0:
+            raise ValueError(
+                f"max_rows_fwd: expected 0 or a positive int, got {self.max_rows_fwd!r}"
             )
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "max_rows", "sub_block"):
             value = getattr(self, name)
@@ -114,31 +132,31 @@ class BlockSizes:
                 )
 
 
-def _b(q, kv, qb, kvb, rows=2048, sub=256, slab=0):
-    return BlockSizes(q, kv, qb, kvb, rows, sub, slab)
+def _b(q, kv, qb, kvb, rows=2048, sub=256, slab=0, fwd_rows=0):
+    return BlockSizes(q, kv, qb, kvb, rows, sub, slab, fwd_rows)
 
 
 # (generation, regime, head-dim class) -> block sizes. Head-dim class is
 # max(head_dim, head_dim_v) rounded up to 128, 192 or 256.
 BLOCK_TABLE = {
-    ("v5e", "prefill", 128): _b(512, 512, 512, 512, sub=128),
-    ("v5e", "prefill", 192): _b(512, 512, 256, 512, sub=128),
-    ("v5e", "prefill", 256): _b(256, 512, 256, 512, sub=128),
+    ("v5e", "prefill", 128): _b(1024, 512, 512, 512, sub=128, fwd_rows=4096),
+    ("v5e", "prefill", 192): _b(1024, 512, 256, 512, sub=128, fwd_rows=4096),
+    ("v5e", "prefill", 256): _b(1024, 512, 256, 512, sub=128, fwd_rows=4096),
     ("v5e", "decode", 128): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
-    ("v6e", "prefill", 128): _b(512, 512, 512, 512, slab=512),
-    ("v6e", "prefill", 192): _b(512, 512, 256, 512, slab=512),
-    ("v6e", "prefill", 256): _b(512, 512, 256, 512, slab=1024),
-    ("v6e", "long", 128): _b(512, 1024, 512, 1024, slab=512),
-    ("v6e", "long", 192): _b(512, 1024, 256, 512, slab=512),
-    ("v6e", "long", 256): _b(512, 1024, 256, 512, slab=1024),
+    ("v6e", "prefill", 128): _b(1024, 1024, 512, 512, slab=1024, fwd_rows=4096),
+    ("v6e", "prefill", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("v6e", "prefill", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("v6e", "long", 128): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
+    ("v6e", "long", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("v6e", "long", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
-    ("tpu7x", "prefill", 128): _b(512, 1024, 512, 512, slab=512),
-    ("tpu7x", "prefill", 192): _b(512, 1024, 256, 512, slab=1024),
-    ("tpu7x", "prefill", 256): _b(512, 1024, 256, 512, slab=1024),
+    ("tpu7x", "prefill", 128): _b(1024, 1024, 512, 512, slab=1024, fwd_rows=4096),
+    ("tpu7x", "prefill", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("tpu7x", "prefill", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
     ("tpu7x", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("tpu7x", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("tpu7x", "decode", 256): _b(64, 2048, 64, 512, 1024),
@@ -234,6 +252,30 @@ def geometry(
     return Geometry(False, bq, group * bq, bkv, q_len, kv_len)
 
 
+# The forward's fully visible pairs run in lane chunks of this many query
+# rows (kernel_fwd.py), each chunk's scores stored once in a (block_kv,
+# lanes) f32 buffer. 512 is both 256-wide MXUs of v6e/tpu7x side by side: a
+# 256-row chunk fed one MXU at a time (v6e T = 8k causal 1,838 vs 1,616 us),
+# a 1024-row one spilled (1,864).
+FWD_CHUNK_LANES = (512, 256)
+FWD_CHUNK_KEYS = 512
+
+
+def fwd_chunk_lanes(heads: int, unit: int) -> int:
+    """Query rows per chunk of a forward state unit of `heads` x `unit` rows:
+    a chunk holds whole heads' units or lies inside one head's."""
+    lanes = heads * unit
+    for lc in FWD_CHUNK_LANES:
+        if lanes % lc == 0 and (unit % lc == 0 or lc % unit == 0):
+            return lc
+    return lanes
+
+
+def fwd_chunk_keys(block_kv: int) -> int:
+    """Keys per exp + PV step of a forward chunk."""
+    return math.gcd(block_kv, FWD_CHUNK_KEYS)
+
+
 # ---------------------------------------------------------------------------
 # VMEM need (bytes) of each kernel; conservative, checked against the budget.
 
@@ -242,13 +284,16 @@ def _lanes(d: int) -> int:
     return _round_up(d, LANES)
 
 
-def fwd_vmem_bytes(rows, bkv, d, dv, itemsize):
+def fwd_vmem_bytes(rows, bkv, d, dv, itemsize, unit_rows=None):
+    """unit_rows: stacked rows of a state unit (a slab's), at most; None: the block's."""
     d, dv = _lanes(d), _lanes(dv)
     io = 2 * (rows * d + bkv * d + bkv * dv + rows * dv) * itemsize
     io += 2 * 8 * _round_up(rows, LANES) * 4  # lse block
     io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4  # segment/position rows
     scratch = rows * dv * 4 + 2 * rows * LANES * 4  # acc, m, l
-    temps = rows * bkv * (3 * 4 + itemsize)  # s, p, mask, p cast
+    scratch += 2 * bkv * FWD_CHUNK_LANES[0] * 4  # a full pair's two score buffers
+    unit = min(rows, unit_rows or rows)
+    temps = unit * bkv * (3 * 4 + itemsize)  # a masked unit's s, p, mask, p cast
     return io + scratch + temps
 
 
@@ -295,6 +340,13 @@ class Plan:
     slab_rows: int = 0
 
 
+def unit_rows(geom: Geometry, slab_rows: int, group: int) -> int:
+    """Stacked rows of the forward's state unit, at most (its slab's, else the block's)."""
+    heads = 1 if geom.seq_major else group
+    pos = slab(geom, slab_rows, heads)
+    return pos * heads if pos else geom.rows
+
+
 def plan(
     *,
     generation: str,
@@ -318,7 +370,12 @@ def plan(
     bs = block_sizes
     while True:
         fwd = geometry(
-            bs.block_q, bs.block_kv, q_len=q_len, kv_len=kv_len, group=group, max_rows=bs.max_rows
+            bs.block_q,
+            bs.block_kv,
+            q_len=q_len,
+            kv_len=kv_len,
+            group=group,
+            max_rows=bs.max_rows_fwd or bs.max_rows,
         )
         dkdv = geometry(
             bs.block_q_bwd,
@@ -337,7 +394,17 @@ def plan(
             max_rows=bs.max_rows,
         )
         needs = (
-            ("forward", fwd_vmem_bytes(fwd.rows, fwd.block_kv, head_dim, head_dim_v, itemsize)),
+            (
+                "forward",
+                fwd_vmem_bytes(
+                    fwd.rows,
+                    fwd.block_kv,
+                    head_dim,
+                    head_dim_v,
+                    itemsize,
+                    unit_rows(fwd, bs.slab_rows, group),
+                ),
+            ),
             ("dK/dV", dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)),
             ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
         )
@@ -358,8 +425,12 @@ def plan(
                 block_kv=max(512, kv // 2) if fwd_over else kv,
                 block_kv_bwd=max(512, kv_bwd // 2) if bwd_over else kv_bwd,
             )
-        elif bs.max_rows > 256:
-            bs = dataclasses.replace(bs, max_rows=bs.max_rows // 2)
+        elif max(bs.max_rows, bs.max_rows_fwd) > 256:
+            bs = dataclasses.replace(
+                bs,
+                max_rows=max(256, bs.max_rows // 2),
+                max_rows_fwd=bs.max_rows_fwd and max(256, bs.max_rows_fwd // 2),
+            )
         elif bs.block_kv > 128 or bs.block_kv_bwd > 128:
             bs = dataclasses.replace(
                 bs, block_kv=max(128, bs.block_kv // 2), block_kv_bwd=max(128, bs.block_kv_bwd // 2)
