@@ -943,6 +943,10 @@ def test_block_sizes_validation():
         tiling.BlockSizes(512, 500, 512, 512)
     with pytest.raises(ValueError, match="slab_rows"):
         tiling.BlockSizes(512, 512, 512, 512, slab_rows=100)
+    with pytest.raises(ValueError, match="max_rows_fwd"):
+        tiling.BlockSizes(512, 512, 512, 512, max_rows_fwd=-1)
+    with pytest.raises(ValueError, match="max_rows_fwd"):
+        tiling.BlockSizes(512, 512, 512, 512, max_rows_fwd=2048.0)
     with pytest.raises(ValueError, match="generation"):
         tiling.check_generation("v4")
 

@@ -324,7 +324,7 @@ def check_vmem(kernel: str, need: int, generation: str) -> None:
         raise ValueError(
             f"block sizes: the {kernel} kernel needs about {need / MiB:.1f} MiB of VMEM "
             f"but the {generation} budget is {budget / MiB:.1f} MiB; use smaller "
-            f"block_q/block_kv (or max_rows)"
+            f"block_q/block_kv (or max_rows, max_rows_fwd)"
         )
 
 
