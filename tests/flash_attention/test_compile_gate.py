@@ -180,19 +180,8 @@ def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch):
     plan = tiling.plan(
         generation=gen, q_len=t, kv_len=t, group=group, head_dim=d, head_dim_v=d, itemsize=2
     )
-    fwd_need = tiling.fwd_vmem_bytes(
-        plan.fwd.rows,
-        plan.fwd.block_kv,
-        d,
-        d,
-        2,
-        tiling.unit_rows(plan.fwd, plan.slab_rows, group),
-    )
-    need = max(
-        fwd_need,
-        tiling.dkdv_vmem_bytes(plan.dkdv.rows, plan.dkdv.block_kv, d, d, 2),
-        tiling.dq_vmem_bytes(plan.dq.rows, plan.dq.block_kv, d, d, 2),
-    )
+    needs = dict(plan.vmem_needs(group, d, d, 2))
+    fwd_need, need = needs["forward"], max(needs.values())
     args = [spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d))]
     # The forward alone at its own estimate (the backward kernels need more).
     monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, fwd_need)

@@ -869,16 +869,8 @@ def test_table_fits_vmem(generation):
                         itemsize=itemsize,
                     )
                     budget = tiling.VMEM_BUDGET_BYTES[generation]
-                    unit = tiling.unit_rows(plan.fwd, plan.slab_rows, group)
-                    fwd = tiling.fwd_vmem_bytes(
-                        plan.fwd.rows, plan.fwd.block_kv, d, dv, itemsize, unit
-                    )
-                    assert fwd <= budget
-                    for geom, est in (
-                        (plan.dkdv, tiling.dkdv_vmem_bytes),
-                        (plan.dq, tiling.dq_vmem_bytes),
-                    ):
-                        assert est(geom.rows, geom.block_kv, d, dv, itemsize) <= budget
+                    for kernel, need in plan.vmem_needs(group, d, dv, itemsize):
+                        assert need <= budget, kernel
 
 
 def test_oversized_block_sizes_raise_with_need_and_budget():

@@ -89,6 +89,11 @@ class KernelParams:
             return self.sub[0]
         return self.slab or self.geom.block_pos
 
+    @property
+    def chunk_lanes(self) -> int:
+        """Query rows of one lane chunk of the forward's fully visible pairs."""
+        return tiling.fwd_chunk_lanes(self.heads_in_block, self.unit)
+
 
 # ---------------------------------------------------------------------------
 # Small in-kernel helpers.
@@ -396,7 +401,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     def tile(masked, a, k0, ck):
         update(masked, a, k0, ck, scores(a, k0, ck))
 
-    lc = tiling.fwd_chunk_lanes(gb, unit)
+    lc = prm.chunk_lanes
     per = gb * unit // lc  # chunks per unit
     kc = tiling.fwd_chunk_keys(g.block_kv)
     fold = prm.softcap is None
@@ -586,7 +591,7 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
         pltpu.VMEM((units, prm.head_dim_v + ONES_ROWS, gb * unit), jnp.float32),
         pltpu.VMEM((prm.head_dim_v + ONES_ROWS, g.block_kv), v.dtype),
     ]
-    scratch += [pltpu.VMEM((g.block_kv, tiling.fwd_chunk_lanes(gb, unit)), jnp.float32)] * 2
+    scratch += [pltpu.VMEM((g.block_kv, prm.chunk_lanes), jnp.float32)] * 2
     steps = sched.shape[0]
     itemsize = q5.dtype.itemsize
     cost = pl.CostEstimate(

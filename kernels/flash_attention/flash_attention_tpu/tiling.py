@@ -339,8 +339,21 @@ class Plan:
     sub_block: int
     slab_rows: int = 0
 
+    def vmem_needs(self, group, head_dim, head_dim_v, itemsize):
+        """((kernel, bytes), ...): the VMEM each of the three kernels needs."""
+        fwd, dkdv, dq = self.fwd, self.dkdv, self.dq
+        unit = _unit_rows(fwd, self.slab_rows, group)
+        return (
+            (
+                "forward",
+                fwd_vmem_bytes(fwd.rows, fwd.block_kv, head_dim, head_dim_v, itemsize, unit),
+            ),
+            ("dK/dV", dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)),
+            ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
+        )
 
-def unit_rows(geom: Geometry, slab_rows: int, group: int) -> int:
+
+def _unit_rows(geom: Geometry, slab_rows: int, group: int) -> int:
     """Stacked rows of the forward's state unit, at most (its slab's, else the block's)."""
     heads = 1 if geom.seq_major else group
     pos = slab(geom, slab_rows, heads)
@@ -393,25 +406,12 @@ def plan(
             group=group,
             max_rows=bs.max_rows,
         )
-        needs = (
-            (
-                "forward",
-                fwd_vmem_bytes(
-                    fwd.rows,
-                    fwd.block_kv,
-                    head_dim,
-                    head_dim_v,
-                    itemsize,
-                    unit_rows(fwd, bs.slab_rows, group),
-                ),
-            ),
-            ("dK/dV", dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)),
-            ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
-        )
+        p = Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows)
+        needs = p.vmem_needs(group, head_dim, head_dim_v, itemsize)
         budget = VMEM_BUDGET_BYTES[generation]
         over = [(k, n) for k, n in needs if n > budget]
         if not over:
-            return Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows)
+            return p
         if explicit:
             check_vmem(*over[0], generation)
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
