@@ -97,7 +97,8 @@ T_TB = "tests/test_torch_bindings.py"
 T_AR = "tests/test_autograd_residuals.py"
 
 RMS_BLOCKS = f"{T_RMS}::test_backward_across_row_blocks_with_eps_that_matters"
-FA_SCALE = f"{T_FA}::test_softmax_scale_reaches_every_kernel[0.05-float32]"
+FA_SCALE = f"{T_FA}::test_softmax_scale_reaches_every_kernel[fused-dq-0.05-float32]"
+FA_SCALE_DQ = f"{T_FA}::test_softmax_scale_reaches_every_kernel[dq-kernel-0.05-float32]"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- RMSNorm kernels ------------------------------------------------------
@@ -532,6 +533,78 @@ MUTANTS: tuple[Mutant, ...] = (
         "forward: raw scores' maximum kept unscaled beside the masked pairs' logit units",
     ),
     Mutant(
+        "fa-bwd-chunk-buffer",
+        FA_BWD,
+        "produce(at(k, r + 1), bufs[(r + 1) % 2])",
+        "produce(at(k, r + 1), bufs[r % 2])",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "dK/dV: a full pair's next chunk written into the buffer this chunk's matmuls read",
+    ),
+    Mutant(
+        "fa-bwd-chunk-exp2",
+        FA_BWD,
+        "p = jnp.exp2(s * (prm.scale * LOG2E) - lse * LOG2E)",
+        "p = jnp.exp2(s * (prm.scale * LOG2E) - lse)",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "dK/dV: a full pair's chunk subtracts the logsumexp in the wrong units",
+    ),
+    Mutant(
+        "fa-bwd-chunk-head",
+        FA_BWD,
+        "return k * (depth // per) + r // per, (r % per) * lc",
+        "return k * (depth // per), (r % per) * lc",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "dK/dV: chunks of a full pair's later heads read the first head of the loop step",
+    ),
+    Mutant(
+        "fa-bwd-chunk-heads-in-chunk",
+        FA_BWD,
+        "return (k * depth + r) * (lc // br), 0",
+        "return k * depth + r, 0",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "dK/dV: a chunk of several heads starts at the chunk index, not its first head",
+    ),
+    Mutant(
+        "fa-bwd-fused-dq-offset",
+        FA_BWD,
+        "dq_acc[i, hh, :, off : off + lc] += dqt",
+        "dq_acc[i, hh, :, 0:lc] += dqt",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "fused dQ: every chunk of a head added to its first lanes",
+    ),
+    Mutant(
+        "fa-bwd-fused-dq-masked-ds",
+        FA_BWD,
+        "add_dq(jnp.where(mask, ds, 0.0) if masked else ds, r0, rc, k0, ck)",
+        "add_dq(ds, r0, rc, k0, ck)",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "fused dQ: dS of keys past the end (unspecified V) reaches K^T dS^T",
+    ),
+    Mutant(
+        "fa-bwd-fused-dq-scale",
+        FA_BWD,
+        "jnp.transpose(dq_acc[qi, hh] * prm.scale)",
+        "jnp.transpose(dq_acc[qi, hh] * prm.head_dim**-0.5)",
+        (FA_SCALE,),
+        "fused dQ: softmax_scale ignored (1/sqrt(D) used)",
+    ),
+    Mutant(
+        "fa-bwd-fused-dq-subtile",
+        FA_BWD,
+        "dq_acc[i, hh, :, pl.ds(r0, rc)] += part",
+        "dq_acc[i, hh, :, pl.ds(0, rc)] += part",
+        (f"{T_FA}::test_dense_matches_reference", FA_SCALE),
+        "fused dQ: a masked pair's row sub-tiles all added to the block's first rows",
+    ),
+    Mutant(
+        "fa-bwd-fused-dq-block",
+        FA_BWD,
+        "dst = dq_hbm.at[:, pl.ds(pl.multiple_of(qi * br, br), br), :]",
+        "dst = dq_hbm.at[:, pl.ds(0, br), :]",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "fused dQ: every q block's dQ written over the first block's rows",
+    ),
+    Mutant(
         "fa-fwd-ones-row",
         FA,
         "vt_ref.shape[1]), 0) == 0",
@@ -560,7 +633,7 @@ MUTANTS: tuple[Mutant, ...] = (
         FA_BWD,
         "out = jnp.transpose(dq_acc[a] * prm.scale)",
         "out = jnp.transpose(dq_acc[a] * prm.head_dim**-0.5)",
-        (FA_SCALE,),
+        (FA_SCALE_DQ,),
         "dQ: softmax_scale ignored (1/sqrt(D) used)",
     ),
     Mutant(
@@ -568,7 +641,7 @@ MUTANTS: tuple[Mutant, ...] = (
         FA_BWD,
         "                k = _zero_tail_rows(k, kvalid)\n",
         "",
-        (FA_SCALE,),
+        (FA_SCALE_DQ,),
         "dQ: keys past the end not zeroed (softcap's tanh of garbage reaches dS)",
     ),
     Mutant(
@@ -576,7 +649,7 @@ MUTANTS: tuple[Mutant, ...] = (
         FA_BWD,
         "_set_rows(dq_ref, a * unit, unit, out.astype(dq_ref.dtype))",
         "_set_rows(dq_ref, 0, unit, out.astype(dq_ref.dtype))",
-        (f"{T_FA}::test_dense_matches_reference",),
+        (FA_SCALE_DQ, f"{T_FA}::test_dense_matches_reference"),
         "dQ: every unit's rows written over the block's first unit",
     ),
     Mutant(
@@ -584,7 +657,7 @@ MUTANTS: tuple[Mutant, ...] = (
         FA_BWD,
         "lse = _flat_rows(_rows(lse_ref, r0, unit))",
         "lse = _flat_rows(_rows(lse_ref, 0, unit))",
-        (f"{T_FA}::test_dense_matches_reference",),
+        (FA_SCALE_DQ, f"{T_FA}::test_dense_matches_reference"),
         "dQ: every unit reads the first unit's logsumexp",
     ),
     Mutant(

@@ -146,14 +146,14 @@ CASES = {
         fa_ops._flash_attention,
         _flash_args,
         {"flash_attention_fwd": 1},
-        {"flash_attention_dkdv": 1, "flash_attention_dq": 1},
+        {"flash_attention_dkdv": 1},  # dQ fused into it (tiling.Plan.fuse_dq)
         1,
     ),
     "flash_attention_varlen": (
         fa_ops._flash_attention_varlen,
         _varlen_args,
         {"flash_attention_fwd": 1},
-        {"flash_attention_dkdv": 1, "flash_attention_dq": 1},
+        {"flash_attention_dkdv": 1},  # dQ fused into it (tiling.Plan.fuse_dq)
         1,
     ),
 }
@@ -203,7 +203,7 @@ def test_loss_backward_does_not_launch_the_forward(monkeypatch, kind):
     loss.backward() traces the backward kernels and no forward kernel."""
     if kind == "flash":
         module, fwd_name = kernel_fwd, "fwd_call"
-        bwd_module, bwd_name = flash_attention_tpu.kernel_bwd, "dq_call"
+        bwd_module, bwd_name = flash_attention_tpu.kernel_bwd, "dkdv_call"
         q = torch.randn(1, 40, 4, 64, requires_grad=True)  # a shape no other test traces
         k = torch.randn(1, 40, 2, 64, requires_grad=True)
 

@@ -226,7 +226,9 @@ def dense_cases(draw):
         with_sinks=draw(st.booleans()),
         segments=segments,
         scale=draw(st.sampled_from(SCALES)),
-        block_sizes=draw(st.sampled_from([SMALL, SUBTILED, SLABBED])),
+        block_sizes=dataclasses.replace(
+            draw(st.sampled_from([SMALL, SUBTILED, SLABBED])), fuse_dq=draw(st.booleans())
+        ),
     )
 
 
@@ -253,11 +255,22 @@ def test_head_dims(d, dv):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("scale", [0.05, 0.3])
-def test_softmax_scale_reaches_every_kernel(dtype, scale):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-dq", "dq-kernel"])
+def test_softmax_scale_reaches_every_kernel(dtype, scale, fuse):
     # A scale other than 1/sqrt(D), through the forward, dK/dV and dQ kernels
-    # (masked and unmasked pairs, GQA, softcap so the scale sits inside tanh).
+    # (masked and unmasked pairs, GQA, softcap so the scale sits inside tanh),
+    # dQ fused into dK/dV's kernel or not.
     _dense_case(
-        seed=11, hq=4, hkv=2, sq=200, skv=260, dtype=dtype, causal=True, softcap=5.0, scale=scale
+        seed=11,
+        hq=4,
+        hkv=2,
+        sq=200,
+        skv=260,
+        dtype=dtype,
+        causal=True,
+        softcap=5.0,
+        scale=scale,
+        block_sizes=dataclasses.replace(SMALL, fuse_dq=fuse),
     )
 
 
@@ -331,6 +344,74 @@ def test_forward_chunk_layouts_match_reference(layout, dtype):
         causal=True,
         block_sizes=bs,
     )
+
+
+# The dK/dV kernel's fully visible pairs run the same two-buffer pipeline over
+# lane chunks of query rows, with dQ fused in (tiling.Plan.fuse_dq) or not.
+# (group, block_q_bwd) -> (query rows a chunk, chunks a block): four chunks,
+# so the pipeline's fori_loop runs with a traced step.
+BWD_CHUNK_LAYOUTS = {
+    "heads-in-a-chunk": ((16, 128), (512, 4)),
+    "chunks-in-a-head": ((2, 1024), (512, 4)),
+    "a-head-a-chunk": ((4, 512), (512, 4)),
+}
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-dq", "dq-kernel"])
+@pytest.mark.parametrize("layout", sorted(BWD_CHUNK_LAYOUTS))
+def test_backward_chunk_layouts_match_reference(layout, fuse):
+    (group, block_q_bwd), want = BWD_CHUNK_LAYOUTS[layout]
+    bs = tiling.BlockSizes(
+        block_q=128,
+        block_kv=128,
+        block_q_bwd=block_q_bwd,
+        block_kv_bwd=256,
+        max_rows=4096,
+        sub_block=256,
+        fuse_dq=fuse,
+    )
+    t = 2 * block_q_bwd + 40  # a fully visible pair, the diagonal's, and ragged tails
+    kw = dict(q_len=t, kv_len=t, group=group, head_dim=64, head_dim_v=64, itemsize=4)
+    plan = tiling.plan(generation="v6e", block_sizes=bs, **kw)
+    assert plan.fuse_dq == fuse
+    lanes = tiling.fwd_chunk_lanes(group, plan.dkdv.block_pos)
+    assert (lanes, plan.dkdv.rows // lanes) == want
+    q = jax.ShapeDtypeStruct((1, group, t, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 1, t, 64), jnp.float32)
+    grad = jax.grad(
+        lambda q, k, v: jnp.sum(
+            fa.flash_attention(q, k, v, causal=True, config=bs, interpret=True)
+        ),
+        argnums=(0, 1, 2),
+    )
+    launches = str(jax.make_jaxpr(grad)(q, kv, kv))
+    assert ("flash_attention_dq" in launches) == (not fuse)
+    _dense_case(
+        seed=len(layout),
+        hq=group,
+        hkv=1,
+        sq=t,
+        skv=t,
+        d=64,
+        dtype=jnp.float32,
+        causal=True,
+        block_sizes=bs,
+    )
+
+
+def test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem():
+    kw = dict(group=4, head_dim=128, head_dim_v=128, itemsize=2)
+    for gen, t, want in (
+        ("v6e", 8192, True),
+        ("tpu7x", 8192, True),
+        ("v6e", 32768, False),
+        ("tpu7x", 32768, False),
+    ):
+        p = tiling.plan(generation=gen, q_len=t, kv_len=t, **kw)
+        assert p.fuse_dq == want, (gen, t)
+        fused = dataclasses.replace(p, fuse_dq=True)
+        need = dict(fused.vmem_needs(4, 128, 128, 2))["dK/dV"]
+        assert (need <= tiling.VMEM_BUDGET_BYTES[gen]) == want, (gen, t)
 
 
 def test_full_pairs_keep_the_running_maximum_in_logit_units():

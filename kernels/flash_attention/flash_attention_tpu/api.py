@@ -32,6 +32,7 @@ class _Static:
     dq: KernelParams
     interpret: bool
     batch_meta: bool  # segment/position arrays have a batch axis (else shared)
+    fuse_dq: bool  # dK/dV's kernel computes dQ too (tiling.Plan.fuse_dq)
 
 
 def _kernels_fwd(st, q5, k, v, sinks, aux):
@@ -48,12 +49,27 @@ def _kernels_bwd(st, q5, k, v, sinks, aux, o5, lse, do5, dlse):
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
     do5 = do5.astype(q5.dtype)
-    dk, dv = kernel_bwd.dkdv_call(
-        st.dkdv, q5, k, v, do5, lse, delta, aux, aux["sched_dkdv"], st.interpret, st.batch_meta
+    out = kernel_bwd.dkdv_call(
+        st.dkdv,
+        q5,
+        k,
+        v,
+        do5,
+        lse,
+        delta,
+        aux,
+        aux["sched_dkdv"],
+        st.interpret,
+        st.batch_meta,
+        st.fuse_dq,
     )
-    dq5 = kernel_bwd.dq_call(
-        st.dq, q5, k, v, do5, lse, delta, aux, aux["sched_dq"], st.interpret, st.batch_meta
-    )
+    if st.fuse_dq:
+        dk, dv, dq5 = out
+    else:
+        dk, dv = out
+        dq5 = kernel_bwd.dq_call(
+            st.dq, q5, k, v, do5, lse, delta, aux, aux["sched_dq"], st.interpret, st.batch_meta
+        )
     dsinks = None
     if sinks is not None:
         dsinks = _sink_grad(st.fwd, sinks, lse, delta).astype(sinks.dtype)
@@ -245,7 +261,12 @@ def _dense_call(
         )
 
     st = _Static(
-        prm(plan.fwd, plan.slab_rows), prm(plan.dkdv), prm(plan.dq), bool(interpret), has_seg
+        prm(plan.fwd, plan.slab_rows),
+        prm(plan.dkdv),
+        prm(plan.dq),
+        bool(interpret),
+        has_seg,
+        plan.fuse_dq,
     )
     kw = dict(
         q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right, segmented=has_seg
@@ -349,7 +370,12 @@ def _varlen_call(
         )
 
     st = _Static(
-        prm(plan.fwd, plan.slab_rows), prm(plan.dkdv), prm(plan.dq), bool(interpret), False
+        prm(plan.fwd, plan.slab_rows),
+        prm(plan.dkdv),
+        prm(plan.dq),
+        bool(interpret),
+        False,
+        plan.fuse_dq,
     )
 
     # [T, H, D] <-> [1, H, T, D] kernel layout; per-row [H, T] <-> [1, H, T].

@@ -14,7 +14,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import schedule as bsched
+from . import tiling
 from .kernel_fwd import (
+    LOG2E,
     NN_DIMS,
     NT_DIMS,
     KernelParams,
@@ -46,25 +48,67 @@ from .kernel_fwd import (
 # of v6e/tpu7x and pops both halves of every 256-row partial, as the
 # forward's PV did (kernel_fwd.py); [D, keys] fills it. dK/dV are transposed
 # once per kv block, at the end.
+#
+# With `fuse_dq` (tiling.plan: when the kv head's whole dQ fits in VMEM) the
+# kernel also accumulates dQ^T = K^T dS^T [D, rows] of every q block of the
+# kv head, in f32, and writes dQ when the head's walk ends: the dQ kernel
+# would compute K q^T, V dO^T and exp again, 2 of its 3 matmuls, for the
+# same dS (v6e T = 8k causal d=128: dK/dV 2,850 + dQ 2,054 us -> 3,205).
+#
+# A fully visible pair runs as the forward's does, a two-buffer pipeline over
+# lane chunks of query rows (tiling.fwd_chunk_lanes): chunk c+1's logits and
+# dP, their exp and dS, stored as P and dS in the matmul dtype, while chunk
+# c's dV, dK (and dQ) matmuls read the other buffers.
 
 
-def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
+def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     refs = refs[6:]
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
-    dk_ref, dv_ref, dk_acc, dv_acc = refs  # dk_acc: (D, bkv); dv_acc: (Dv, bkv)
+    dk_ref, dv_ref = refs[:2]
+    dq_hbm = refs.pop(2) if fuse_dq else None  # (B, Hkv, Gb, q blocks * br, D), in HBM
+    # dk_acc: (D, bkv); dv_acc: (Dv, bkv); p_bufs, ds_bufs: 2 x (bkv, chunk lanes);
+    # fused: dq_acc (q blocks, Gb, D, br) f32, kt (D, bkv), dq_out (2, Gb, br, D), sems (2,)
+    dk_acc, dv_acc, p0, p1, ds0, ds1 = refs[2:8]
+    if fuse_dq:
+        dq_acc, kt_ref, dq_out, dq_sems = refs[8:]
 
     g = prm.geom
-    gb, br = prm.heads_in_block, g.block_pos
+    gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
     q_tail = g.q_rows_total % br != 0
-    j, i, flags = _decode(sched_ref, pl.program_id(2))
+    kv_tail = g.kv_len % bkv != 0
+    step = pl.program_id(2)
+    bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
+    j, i, flags = _decode(sched_ref, step)
 
     @pl.when(_flag(flags, bsched.INIT))
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        if fuse_dq:
+            kt = jnp.transpose(k_ref[...])
+            if kv_tail:  # unspecified keys past the end must not reach K^T dS^T
+                kt = jnp.where(_key_valid_row(prm, j, 0, bkv), kt, jnp.zeros_like(kt))
+            kt_ref[...] = kt
+
+    if fuse_dq:
+
+        @pl.when(step == 0)
+        def _init_dq():
+            dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    def add_dq(ds, r0, rc, k0, ck):
+        """dQ^T of rows r0:r0+rc of each head += K^T dS^T over keys k0:k0+ck."""
+        kt = kt_ref[...] if ck == bkv else kt_ref[:, pl.ds(k0, ck)]
+        dqt = _dot_f32(kt, ds.astype(kt.dtype), NN_DIMS, interpret)
+        for hh in range(gb):
+            part = dqt[:, hh * rc : (hh + 1) * rc]
+            if rc == br:
+                dq_acc[i, hh] += part
+            else:
+                dq_acc[i, hh, :, pl.ds(r0, rc)] += part
 
     def tile(masked, r0, rc, k0, ck):
         n = gb * rc
@@ -97,19 +141,137 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         if t is not None:
             ds = ds * (1.0 - t * t)
         dkt = _dot_f32(jnp.transpose(q), ds.astype(q.dtype), NT_DIMS, interpret)
-        if ck == g.block_kv:
+        if fuse_dq:  # keys past the end: dP from unspecified V, 0 * inf in dS
+            add_dq(jnp.where(mask, ds, 0.0) if masked else ds, r0, rc, k0, ck)
+        if ck == bkv:
             dv_acc[...] += dvt
             dk_acc[...] += dkt
         else:
             dv_acc[:, pl.ds(k0, ck)] += dvt
             dk_acc[:, pl.ds(k0, ck)] += dkt
 
-    _run_pair(prm, i, j, flags, tile)
+    # Full pairs: chunk c of lc query rows is (head, lane offset) of the block.
+    lc = tiling.fwd_chunk_lanes(gb, br)
+    n_chunks = gb * br // lc
+    fold = prm.softcap is None
+    per = br // lc if lc <= br else 0  # chunks a head; 0: several heads a chunk
+    depth = (per if per % 2 == 0 else 2 * per) if per else 2  # chunks a loop step, even
+
+    def at(k, r):
+        """Chunk k * depth + r (k traced or static, r static) as (head, static lane offset)."""
+        if per:
+            return k * (depth // per) + r // per, (r % per) * lc
+        return (k * depth + r) * (lc // br), 0
+
+    def chunk_rows(c, ref):
+        hh, off = c
+        if per:
+            return ref[hh, off : off + lc] if per > 1 else ref[hh]
+        return jnp.concatenate([ref[hh + t] for t in range(lc // br)], axis=0)
+
+    def chunk_lane_row(c, ref):
+        hh, off = c
+        if per:
+            return ref[pl.ds(hh, 1), off : off + lc]
+        return jnp.concatenate([ref[pl.ds(hh + t, 1), :] for t in range(lc // br)], axis=1)
+
+    def produce(c, bufs):
+        """P and dS of chunk c into bufs."""
+        q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
+        lse, delta = chunk_lane_row(c, lse_ref), chunk_lane_row(c, delta_ref)
+        s = lax.dot_general(k_ref[...], q, NT_DIMS, preferred_element_type=jnp.float32)
+        t = None
+        if fold:  # exp(s * scale - lse) as one exp2
+            p = jnp.exp2(s * (prm.scale * LOG2E) - lse * LOG2E)
+        else:
+            s, t = _logits(prm, s)
+            p = jnp.exp(s - lse)
+        dp = lax.dot_general(v_ref[...], do, NT_DIMS, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        bufs[0][...] = p.astype(bufs[0].dtype)
+        bufs[1][...] = ds.astype(bufs[1].dtype)
+
+    def consume(c, bufs):
+        """Chunk c's dV^T, dK^T (and dQ^T) matmuls from bufs."""
+        q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
+        dv_acc[...] += _dot_f32(jnp.transpose(do), bufs[0][...], NT_DIMS, interpret)
+        dk_acc[...] += _dot_f32(jnp.transpose(q), bufs[1][...], NT_DIMS, interpret)
+        if fuse_dq:
+            dqt = _dot_f32(kt_ref[...], bufs[1][...], NN_DIMS, interpret)
+            hh, off = c
+            if per:
+                dq_acc[i, hh, :, off : off + lc] += dqt
+            else:
+                for t in range(lc // br):
+                    dq_acc[i, hh + t] += dqt[:, t * br : (t + 1) * br]
+
+    def full_pair():
+        bufs = ((p0, ds0), (p1, ds1))
+        _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
+
+    _run_pair(prm, i, j, flags, tile, full_pair if n_chunks > 1 else None)
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
         dk_ref[...] = jnp.transpose(dk_acc[...] * prm.scale).astype(dk_ref.dtype)
         dv_ref[...] = jnp.transpose(dv_acc[...]).astype(dv_ref.dtype)
+
+    if fuse_dq:
+
+        @pl.when(step == pl.num_programs(2) - 1)
+        def _write_dq():
+            _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dq_hbm.at[bh[0], bh[1]])
+
+
+def _two_buffer_pipeline(n, depth, at, produce, consume, bufs):
+    """produce(at(c)) into bufs[c % 2] while consume(at(c - 1)) reads the
+    other: a fori_loop of `depth` chunks a step (even, so each step's buffer
+    parity is static), then the last chunks unrolled."""
+
+    def body(k, carry):
+        for r in range(depth):
+            produce(at(k, r + 1), bufs[(r + 1) % 2])
+            consume(at(k, r), bufs[r % 2])
+        return carry
+
+    trips = (n - 1) // depth
+    produce(at(0, 0), bufs[0])
+    if trips:
+        lax.fori_loop(0, trips, body, 0)
+    for c in range(depth * trips, n):
+        if c + 1 < n:
+            produce(at(0, c + 1), bufs[(c + 1) % 2])
+        consume(at(0, c), bufs[c % 2])
+
+
+def _write_dq_blocks(prm, dq_acc, dq_out, sems, dq_hbm):
+    """dQ of the kv head (dq_hbm: (Gb, rows, D)), q block by q block: scaled,
+    transposed and cast into one of two VMEM slots, then copied to HBM while
+    the next block is made."""
+    br, gb = prm.geom.block_pos, prm.heads_in_block
+
+    def copy(qi, slot):
+        dst = dq_hbm.at[:, pl.ds(pl.multiple_of(qi * br, br), br), :]
+        return pltpu.make_async_copy(dq_out.at[slot], dst, sems.at[slot])
+
+    def body(qi, carry):
+        slot = qi % 2
+
+        @pl.when(qi >= 2)
+        def _():
+            copy(qi - 2, slot).wait()
+
+        for hh in range(gb):
+            dq_out[slot, hh] = jnp.transpose(dq_acc[qi, hh] * prm.scale).astype(dq_out.dtype)
+        copy(qi, slot).start()
+        return carry
+
+    nq = dq_acc.shape[0]
+    lax.fori_loop(0, nq, body, 0)
+    for qi in range(max(0, nq - 2), nq):
+        copy(qi, qi % 2).wait()
 
 
 # ---------------------------------------------------------------------------
@@ -193,30 +355,49 @@ def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
     return args + margs, specs + mspecs, q_spec, kv_spec
 
 
-def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):
+def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta, fuse_dq):
+    """(dk, dv), or (dk, dv, dq5) with fuse_dq."""
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
+    gb = prm.heads_in_block
     args, specs, _, kv_spec = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, False, batch_meta)
-    out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    out_specs = (kv_spec(prm.head_dim), kv_spec(prm.head_dim_v))
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_specs = [kv_spec(prm.head_dim), kv_spec(prm.head_dim_v)]
+    lc = tiling.fwd_chunk_lanes(gb, g.block_pos)
     scratch = [
         pltpu.VMEM((prm.head_dim, g.block_kv), jnp.float32),
         pltpu.VMEM((prm.head_dim_v, g.block_kv), jnp.float32),
     ]
-    return pl.pallas_call(
-        functools.partial(_dkdv_kernel, prm=prm, interpret=bool(interpret)),
-        out_shape=out_shape,
+    scratch += [pltpu.VMEM((g.block_kv, lc), q5.dtype)] * 4  # P, P, dS, dS
+    nq = g.num_q_blocks
+    if fuse_dq:  # dQ padded to whole q blocks (sliced below): every copy is a whole block
+        out_shape.append(
+            jax.ShapeDtypeStruct(q5.shape[:3] + (nq * g.block_pos, prm.head_dim), q5.dtype)
+        )
+        out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        scratch += [
+            pltpu.VMEM((nq, gb, prm.head_dim, g.block_pos), jnp.float32),
+            pltpu.VMEM((prm.head_dim, g.block_kv), k.dtype),
+            pltpu.VMEM((2, gb, g.block_pos, prm.head_dim), q5.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+        ]
+    out = pl.pallas_call(
+        functools.partial(_dkdv_kernel, prm=prm, interpret=bool(interpret), fuse_dq=fuse_dq),
+        out_shape=tuple(out_shape),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(b, hkv, sched.shape[0]),
             in_specs=specs,
-            out_specs=out_specs,
+            out_specs=tuple(out_specs),
             scratch_shapes=scratch,
         ),
         compiler_params=_compiler_params(prm),
         interpret=interpret,
         name="flash_attention_dkdv",
     )(sched, *args)
+    if fuse_dq and nq * g.block_pos != q5.shape[3]:
+        return out[0], out[1], out[2][:, :, :, : q5.shape[3]]
+    return out
 
 
 def dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):

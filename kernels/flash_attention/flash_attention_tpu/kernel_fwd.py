@@ -251,7 +251,7 @@ def _visible_chunks(prm, i, j, a, run):
     lax.fori_loop(c_lo, c_hi, body, 0)
 
 
-def _run_pair(prm, i, j, flags, tile):
+def _run_pair(prm, i, j, flags, tile, full=None):
     """Dispatches one step of the backward kernels to tile(masked, r0, rc, k0, ck).
 
     Fully visible pairs run one whole-block tile without mask work. Masked
@@ -275,6 +275,9 @@ def _run_pair(prm, i, j, flags, tile):
 
     @pl.when(jnp.logical_and(compute, jnp.logical_not(masked)))
     def _full():
+        if full is not None:
+            full()
+            return
         tile(False, 0, br, 0, bkv)
 
 

@@ -101,6 +101,8 @@ class BlockSizes:
       edges): only sub-tiles holding a visible entry reach the MXU.
     slab_rows: forward only: matmul rows whose scores one loop step computes
       in a fully visible pair (0: the whole block at once). See slab().
+    fuse_dq: let the dK/dV kernel compute dQ too when the kv head's dQ fits
+      in VMEM beside it (Plan.fuse_dq); False: always the separate dQ kernel.
     """
 
     block_q: int
@@ -111,8 +113,11 @@ class BlockSizes:
     sub_block: int = 256
     slab_rows: int = 0
     max_rows_fwd: int = 0
+    fuse_dq: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.fuse_dq, bool):
+            raise ValueError(f"fuse_dq: expected a bool, got {self.fuse_dq!r}")
         if not isinstance(self.slab_rows, int) or self.slab_rows < 0 or self.slab_rows % 8:
             raise ValueError(
                 f"slab_rows: expected 0 or a positive multiple of 8, got {self.slab_rows!r}"
@@ -304,8 +309,15 @@ def dkdv_vmem_bytes(rows, bkv, d, dv, itemsize):
     io += 2 * (bkv * d + bkv * dv) * itemsize  # dk, dv out
     io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4
     scratch = bkv * (d + dv) * 4
+    scratch += 4 * bkv * FWD_CHUNK_LANES[0] * itemsize  # a full pair's P and dS buffers
     temps = rows * bkv * (5 * 4 + 2 * itemsize)  # s, p, dp, ds, mask + casts
     return io + scratch + temps
+
+
+def fused_dq_vmem_bytes(geom, d, itemsize):
+    """What dK/dV's fused dQ adds: the kv head's f32 dQ, K^T, two output slots."""
+    d = _lanes(d)
+    return geom.num_q_blocks * geom.rows * d * 4 + (geom.block_kv + 2 * geom.rows) * d * itemsize
 
 
 def dq_vmem_bytes(rows, bkv, d, dv, itemsize):
@@ -338,6 +350,7 @@ class Plan:
     generation: str
     sub_block: int
     slab_rows: int = 0
+    fuse_dq: bool = False  # the dK/dV kernel computes dQ too (no dQ kernel)
 
     def vmem_needs(self, group, head_dim, head_dim_v, itemsize):
         """((kernel, bytes), ...): the VMEM each of the three kernels needs."""
@@ -348,7 +361,11 @@ class Plan:
                 "forward",
                 fwd_vmem_bytes(fwd.rows, fwd.block_kv, head_dim, head_dim_v, itemsize, unit),
             ),
-            ("dK/dV", dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)),
+            (
+                "dK/dV",
+                dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)
+                + (fused_dq_vmem_bytes(dkdv, head_dim, itemsize) if self.fuse_dq else 0),
+            ),
             ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
         )
 
@@ -411,7 +428,10 @@ def plan(
         budget = VMEM_BUDGET_BYTES[generation]
         over = [(k, n) for k, n in needs if n > budget]
         if not over:
-            return p
+            # dQ in the dK/dV kernel when the kv head's dQ fits beside it
+            fused = dataclasses.replace(p, fuse_dq=True)
+            need = dict(fused.vmem_needs(group, head_dim, head_dim_v, itemsize))["dK/dV"]
+            return fused if bs.fuse_dq and need <= budget else p
         if explicit:
             check_vmem(*over[0], generation)
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
