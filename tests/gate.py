@@ -46,7 +46,11 @@ def meta_call(jax_op, *args):
 # point's program: if every Pallas launch it makes is one the other compiles
 # (same kernel body, blocks, buffering, VMEM and compiler parameters; only the
 # sizes it declares as `extents` and the grid may differ), it passes when that
-# program compiles; otherwise it is compiled itself.
+# program compiles; otherwise it is compiled itself. A VMEM buffer of rank 3
+# or more may also have a smaller leading dim than the cover's (it is not one
+# of the two tiled dims: the same layout in fewer bytes), with the scalar
+# literals equal to it (a loop over it) playing the same role; e.g. the dK/dV
+# kernel's fused dQ accumulator, one slot per q block of the sequence.
 
 import dataclasses  # noqa: E402
 import os  # noqa: E402
@@ -88,6 +92,8 @@ class PointResult:
 _LITERAL = re.compile(r"(?<![\w.\]])(-?\d+):([iu]\d+)\[\]")
 _REF = re.compile(r"Ref<(\w+)>\{(\w+)\[([\d, ]*)\]\}")
 _ARRAY = re.compile(r"(\w+)\[([\d, ]*)\]")
+_LENGTH = re.compile(r"\blength=(\d+)")
+_BLOCK_SIZE = re.compile(r"block_size=(\d+)")
 _SLOT = "#"  # where a size that may differ stood in a Launch's template
 
 
@@ -105,19 +111,26 @@ class Launch:
     """
 
     template: str
-    sizes: tuple[tuple[int, bool], ...]  # (value, any role may explain it)
-    roles: tuple[tuple[str, int], ...]  # name -> value: E0, E0-1, ..., G0, G0-1, ...
+    # (value, kind): kind True: any role may explain it; False: an extent's
+    # role only; "le": a VMEM buffer's leading dim, at most the cover's
+    sizes: tuple[tuple[int, bool | str], ...]
+    roles: tuple[tuple[str, int], ...]  # name -> value: E0, E0-1, ..., G0, G0-1, ..., V0, ...
 
     def names(self, value: int, any_role: bool) -> set[str]:
-        return {n for n, v in self.roles if v == value and (any_role or not n.startswith("G"))}
+        return {
+            n for n, v in self.roles if v == value and (any_role or not n.startswith(("G", "V")))
+        }
 
     def same_kernel(self, other: "Launch") -> bool:
         """True when only sizes differ, each playing the same role in both:
         e.g. 4095 and 32767 where both are the sequence extent minus one."""
         if self.template != other.template:
             return False
-        for (a, any_role), (b, _) in zip(self.sizes, other.sizes):
-            if a != b and not self.names(a, any_role) & other.names(b, any_role):
+        for (a, kind), (b, _) in zip(self.sizes, other.sizes):
+            if kind == "le":
+                if a > b:
+                    return False
+            elif a != b and not self.names(a, kind) & other.names(b, kind):
                 return False
         return True
 
@@ -141,18 +154,36 @@ def _launch(eqn, extents: tuple[int, ...]) -> Launch:
                 out.append(_SLOT)
         return ",".join(out)
 
+    vmem_leads = []
+
     def ref(m):
         space, dtype, dims = m.groups()
         if space in ("smem", "any"):
             dims = slots(dims, space == "smem")
+        elif space == "vmem" and dims.count(",") >= 2:  # rank >= 3: an untiled leading dim
+            lead, rest = dims.split(",", 1)
+            sizes.append((int(lead), "le"))
+            vmem_leads.append(int(lead))
+            dims = f"{_SLOT},{rest}"
         return f"Ref<{space}>{{{dtype}[{dims}]}}"
 
     def literal(m):
         sizes.append((int(m.group(1)), True))
         return f"{_SLOT}:{m.group(2)}[]"
 
+    def length(m):  # a scan's trip count (a fori_loop over a static range): a literal
+        sizes.append((int(m.group(1)), True))
+        return f"length={_SLOT}"
+
     def jaxpr_text(j) -> str:
-        return _LITERAL.sub(literal, _REF.sub(ref, str(j)))
+        return _LENGTH.sub(length, _LITERAL.sub(literal, _REF.sub(ref, str(j))))
+
+    def block_shape(bm) -> str:
+        text = str(bm.block_shape)
+        if "Ref<any>" not in str(bm.transformed_block_aval):
+            return text
+        # a whole array left in HBM (memory_space=ANY): its dims are the array's
+        return _BLOCK_SIZE.sub(lambda m: f"block_size={slots(m.group(1), False)}", text)
 
     def hbm(aval, any_role=False) -> str:
         return _ARRAY.sub(lambda m: f"{m.group(1)}[{slots(m.group(2), any_role)}]", str(aval))
@@ -175,7 +206,7 @@ def _launch(eqn, extents: tuple[int, ...]) -> Launch:
             "block "
             + " | ".join(
                 [
-                    str(bm.block_shape),
+                    block_shape(bm),
                     _REF.sub(ref, str(bm.transformed_block_aval)),
                     hbm(bm.array_aval),
                     f"pipeline_mode={bm.pipeline_mode}",
@@ -183,6 +214,7 @@ def _launch(eqn, extents: tuple[int, ...]) -> Launch:
                 ]
             )
         )
+    roles += [(f"V{k}", v) for k, v in enumerate(vmem_leads)]
     return Launch("\n".join(parts), tuple(sizes), tuple(roles))
 
 

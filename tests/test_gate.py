@@ -110,17 +110,24 @@ def _attention(seq, config="v6e"):
 
 def test_attention_sequence_length_alone_may_differ():
     # The forward's block schedule (scalar prefetch, SMEM) is longer at 2k; its
-    # blocks are equal. The dK/dV kernel with dQ fused in holds the kv head's
-    # whole dQ in VMEM: its program is the length's own.
+    # blocks are equal. The dK/dV kernel with dQ fused in holds one VMEM slot
+    # of dQ per q block: a longer program covers a shorter one (more slots of
+    # the same buffer), never the reverse.
     missing, total = gate.uncovered_launches(_attention(1024), _attention(2048))
+    assert (missing, total) == (0, 2)
+    missing, total = gate.uncovered_launches(_attention(2048), _attention(1024))
     assert (missing, total) == (1, 2)
     other = fa_tiling.BlockSizes(256, 512, 256, 512)
     missing, total = gate.uncovered_launches(_attention(1024, other), _attention(2048))
     assert missing == 2
-    # Without the fusion, the backward's two kernels match across lengths too.
+    # From 4k, v6e's backward takes 1024-key blocks: only the forward matches.
+    missing, total = gate.uncovered_launches(_attention(1024), _attention(4096))
+    assert (missing, total) == (1, 2)
+    # Without the fusion, the backward's two kernels match across lengths both ways.
     unfused = fa_tiling.BlockSizes(1024, 1024, 512, 512, fuse_dq=False)
-    missing, total = gate.uncovered_launches(_attention(1024, unfused), _attention(2048, unfused))
-    assert (missing, total) == (0, 3)
+    for a, b in ((1024, 2048), (2048, 1024)):
+        missing, total = gate.uncovered_launches(_attention(a, unfused), _attention(b, unfused))
+        assert (missing, total) == (0, 3)
 
 
 class _CannedPool(gate.CompilePool):

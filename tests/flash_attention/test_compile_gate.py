@@ -10,10 +10,14 @@ head_dim 40 and 224 (132 points). The
 prefill points of one generation, head_dim and mask get the same blocks, so
 the 32k bwd program holds every launch of the others at other sequence
 lengths (and the fwd launch is the one its bwd makes): they are checked as
-covered by tracing (tests/gate.py) instead of compiled, and 27 programs are
-compiled, in a pool of worker processes (one per core). Measured alone on the
-shared 2-core machine (`time pytest` of this module): 17.5 CPU-minutes with
-63 compiles and the session's compiler dumps on in the workers, 5.6 after.
+covered by tracing (tests/gate.py) instead of compiled. Where the backward
+fuses dQ into the dK/dV kernel (tiling.Plan.fuse_dq: 8k and shorter, not
+32k) the longest fused bwd program covers the shorter fused ones instead,
+so 51 points have no cover and compile, in a pool of worker processes (one
+per core). Measured alone on the shared 2-core machine (`time pytest` of
+this module): 17.5 CPU-minutes with 63 compiles and the session's compiler
+dumps on in the workers, 5.6 after; 7.2 (5:20 wall) with the fused
+programs (2026-12-04).
 """
 
 from __future__ import annotations
@@ -75,12 +79,27 @@ def _fn(generation, mask, kind):
 
 
 def _cover_len(generation, head_dim, seq):
-    """The longest prefill length whose table entry (blocks) is this length's:
-    v6e's backward takes 1024-key blocks from 4k tokens, so its 1k points are
-    covered by the 1k bwd program (fwd) or compile themselves (bwd)."""
+    """The longest prefill length whose table entry (blocks) and dQ fusion are
+    this length's: v6e's backward takes 1024-key blocks from 4k tokens, so its
+    1k points are covered by the 1k bwd program (fwd) or compile themselves
+    (bwd); dQ fused into the dK/dV kernel (while the kv head's dQ fits in VMEM)
+    makes another program, which covers the shorter fused ones (tests/gate.py:
+    its per-q-block dQ buffer is their buffer with more slots)."""
     dclass = fa_tiling.head_dim_class(head_dim, head_dim)
-    entry = fa_tiling._entry(generation, seq, seq, dclass)
-    return max(s for s in PREFILL if fa_tiling._entry(generation, s, s, dclass) == entry)
+
+    def key(s):
+        plan = fa_tiling.plan(
+            generation=generation,
+            q_len=s,
+            kv_len=s,
+            group=HQ // HKV,
+            head_dim=head_dim,
+            head_dim_v=head_dim,
+            itemsize=2,
+        )
+        return fa_tiling._entry(generation, s, s, dclass), plan.fuse_dq
+
+    return max(s for s in PREFILL if key(s) == key(seq))
 
 
 def gate_program(point) -> GateProgram:
