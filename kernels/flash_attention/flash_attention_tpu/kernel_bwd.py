@@ -14,7 +14,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import schedule as bsched
-from . import tiling
 from .kernel_fwd import (
     LOG2E,
     NN_DIMS,
@@ -157,7 +156,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
             dk_acc[:, pl.ds(k0, ck)] += dkt
 
     # Full pairs: chunk c of lc query rows is (head, lane offset) of the block.
-    lc = tiling.fwd_chunk_lanes(gb, br)
+    lc = prm.block_chunk_lanes
     n_chunks = gb * br // lc
     fold = prm.softcap is None
     per = br // lc if lc <= br else 0  # chunks a head; 0: several heads a chunk
@@ -369,7 +368,7 @@ def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta,
     args, specs, _, kv_spec = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, False, batch_meta)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [kv_spec(prm.head_dim), kv_spec(prm.head_dim_v)]
-    lc = tiling.fwd_chunk_lanes(gb, g.block_pos)
+    lc = prm.block_chunk_lanes
     scratch = [
         pltpu.VMEM((prm.head_dim, g.block_kv), jnp.float32),
         pltpu.VMEM((prm.head_dim_v, g.block_kv), jnp.float32),

@@ -94,6 +94,12 @@ class KernelParams:
         """Query rows of one lane chunk of the forward's fully visible pairs."""
         return tiling.fwd_chunk_lanes(self.heads_in_block, self.unit)
 
+    @property
+    def block_chunk_lanes(self) -> int:
+        """Query rows of one lane chunk of the dK/dV kernel's fully visible
+        pairs (its chunks cut the whole block, not a state unit)."""
+        return tiling.fwd_chunk_lanes(self.heads_in_block, self.geom.block_pos)
+
 
 # ---------------------------------------------------------------------------
 # Small in-kernel helpers.
