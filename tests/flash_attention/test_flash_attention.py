@@ -399,6 +399,53 @@ def test_backward_chunk_layouts_match_reference(layout, fuse):
     )
 
 
+# Masked pairs of dense calls (the diagonal, window edges, tails) run the
+# full pairs' pipelines once per key sub-tile range their rows can see, the
+# mask applied (kernel_fwd.py and kernel_bwd.py: masked_pair). name ->
+# (group, block_q, block_kv, sub_block, window, sq, skv) and what the plan
+# must give: (forward lanes a chunk, chunks a state unit; dK/dV lanes a
+# chunk, chunks a block). Windows leave rows that see nothing in a unit's
+# first key range; sq < skv puts the diagonal off the block grid; both have
+# ragged tails.
+MASKED_PIPELINES = {
+    "heads-in-a-chunk-window": ((8, 256, 256, 128, (200, 0), 552, 552), (512, 2, 512, 2)),
+    "a-head-a-chunk-offset": ((2, 512, 1024, 512, (-1, 0), 1064, 2088), (512, 2, 512, 2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASKED_PIPELINES))
+def test_masked_pair_pipelines_match_reference(case):
+    (group, bq, bkv, sub_block, window, sq, skv), want = MASKED_PIPELINES[case]
+    bs = tiling.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_q_bwd=bq // 2 if group == 8 else bq,
+        block_kv_bwd=bkv,
+        max_rows=4096,
+        sub_block=sub_block,
+    )
+    kw = dict(q_len=sq, kv_len=skv, group=group, head_dim=64, head_dim_v=64, itemsize=4)
+    plan = tiling.plan(generation="v6e", block_sizes=bs, **kw)
+    fwd_sub = bsched.sub_tiles(plan.fwd, sub_block, eligible=True)
+    bwd_sub = bsched.sub_tiles(plan.dkdv, sub_block, eligible=True)
+    assert fwd_sub is not None and bwd_sub is not None
+    lanes = tiling.fwd_chunk_lanes(group, fwd_sub[0])
+    blanes = tiling.fwd_chunk_lanes(group, plan.dkdv.block_pos)
+    got = (lanes, group * fwd_sub[0] // lanes, blanes, plan.dkdv.rows // blanes)
+    assert got == want
+    _dense_case(
+        seed=len(case),
+        hq=group,
+        hkv=1,
+        sq=sq,
+        skv=skv,
+        d=64,
+        dtype=jnp.float32,
+        window=window,
+        block_sizes=bs,
+    )
+
+
 def test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem():
     kw = dict(group=4, head_dim=128, head_dim_v=128, itemsize=2)
     for gen, t, want in (

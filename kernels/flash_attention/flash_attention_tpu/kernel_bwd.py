@@ -57,7 +57,9 @@ from .kernel_fwd import (
 # A fully visible pair runs as the forward's does, a two-buffer pipeline over
 # lane chunks of query rows (tiling.fwd_chunk_lanes): chunk c+1's logits and
 # dP, their exp and dS, stored as P and dS in the matmul dtype, while chunk
-# c's dV, dK (and dQ) matmuls read the other buffers.
+# c's dV, dK (and dQ) matmuls read the other buffers. A masked pair of a
+# dense call runs the same pipeline once per key sub-tile range its rows can
+# see, the mask applied to P and dS (masked_pair).
 
 
 def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: bool):
@@ -180,31 +182,82 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
             return ref[pl.ds(hh, 1), off : off + lc]
         return jnp.concatenate([ref[pl.ds(hh + t, 1), :] for t in range(lc // br)], axis=1)
 
-    def produce(c, bufs):
-        """P and dS of chunk c into bufs."""
+    def chunk_mask(c, k0, kc):
+        """(kc, lc) visibility of keys k0:k0+kc to chunk c's query rows, and
+        the rows' (lc, 1) validity (rows past the end hold unspecified data)."""
+        hh, off = c
+        lane = lax.broadcasted_iota(jnp.int32, (1, lc), 1)
+        pos = i * br + off + (lane if per else lax.rem(lane, br))
+        qvalid = pos < g.q_rows_total
+        kidx, kvalid, _ = _k_side(prm, j, None, k0, kc)
+        mask = _visible(  # compares only where a tail is
+            prm,
+            pos + prm.q_offset,
+            qvalid if q_tail else None,
+            None,
+            kidx,
+            kvalid if kv_tail else None,
+            None,
+        )
+        col = i * br + off + lax.broadcasted_iota(jnp.int32, (lc, 1), 0)
+        rows_valid = (col if per else lax.rem(col - i * br, br) + i * br) < g.q_rows_total
+        return mask, qvalid, rows_valid
+
+    def produce(c, bufs, keys=None):
+        """P and dS of chunk c into bufs; keys=(k0, kc): that key range of a
+        masked pair, the mask applied."""
         q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
         lse, delta = chunk_lane_row(c, lse_ref), chunk_lane_row(c, delta_ref)
-        s = lax.dot_general(k_ref[...], q, NT_DIMS, preferred_element_type=jnp.float32)
+        k, v = k_ref[...], v_ref[...]
+        if keys is not None:
+            k0, kc = keys
+            mask, qvalid, rows_valid = chunk_mask(c, k0, kc)
+            k, v = _keys(k_ref, k0, kc), _keys(v_ref, k0, kc)
+            if q_tail:
+                q, do = _zero_tail_rows(q, rows_valid), _zero_tail_rows(do, rows_valid)
+                lse = jnp.where(qvalid, lse, 0.0)
+                delta = jnp.where(qvalid, delta, 0.0)
+        s = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)
         t = None
         if fold:  # exp(s * scale - lse) as one exp2
             p = jnp.exp2(s * (prm.scale * LOG2E) - lse * LOG2E)
         else:
             s, t = _logits(prm, s)
             p = jnp.exp(s - lse)
-        dp = lax.dot_general(v_ref[...], do, NT_DIMS, preferred_element_type=jnp.float32)
+        if keys is not None:
+            p = jnp.where(mask, p, 0.0)
+        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        bufs[0][...] = p.astype(bufs[0].dtype)
-        bufs[1][...] = ds.astype(bufs[1].dtype)
+        if keys is not None:  # keys past the end: dP from unspecified V, 0 * inf in dS
+            ds = jnp.where(mask, ds, 0.0)
+        n = k.shape[0]
+        bufs[0][0:n, :] = p.astype(bufs[0].dtype)
+        bufs[1][0:n, :] = ds.astype(bufs[1].dtype)
 
-    def consume(c, bufs):
+    def consume(c, bufs, keys=None):
         """Chunk c's dV^T, dK^T (and dQ^T) matmuls from bufs."""
         q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
-        dv_acc[...] += _dot_f32(jnp.transpose(do), bufs[0][...], NT_DIMS, interpret)
-        dk_acc[...] += _dot_f32(jnp.transpose(q), bufs[1][...], NT_DIMS, interpret)
+        if keys is None:
+            k0, kc = 0, bkv
+        else:
+            k0, kc = keys
+            if q_tail:  # unspecified rows past the end must not reach dV, dK
+                _, _, rows_valid = chunk_mask(c, k0, kc)
+                q, do = _zero_tail_rows(q, rows_valid), _zero_tail_rows(do, rows_valid)
+        p, ds = bufs[0][0:kc, :], bufs[1][0:kc, :]
+        dvt = _dot_f32(jnp.transpose(do), p, NT_DIMS, interpret)
+        dkt = _dot_f32(jnp.transpose(q), ds, NT_DIMS, interpret)
+        if kc == bkv:
+            dv_acc[...] += dvt
+            dk_acc[...] += dkt
+        else:
+            dv_acc[:, pl.ds(k0, kc)] += dvt
+            dk_acc[:, pl.ds(k0, kc)] += dkt
         if fuse_dq:
-            dqt = _dot_f32(kt_ref[...], bufs[1][...], NN_DIMS, interpret)
+            kt = kt_ref[...] if kc == bkv else kt_ref[:, pl.ds(k0, kc)]
+            dqt = _dot_f32(kt, ds, NN_DIMS, interpret)
             hh, off = c
             if per:
                 dq_acc[i, hh, :, off : off + lc] += dqt
@@ -212,11 +265,54 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
                 for t in range(lc // br):
                     dq_acc[i, hh + t] += dqt[:, t * br : (t + 1) * br]
 
+    bufs = ((p0, ds0), (p1, ds1))
+
     def full_pair():
-        bufs = ((p0, ds0), (p1, ds1))
         _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
 
-    _run_pair(prm, i, j, flags, tile, full_pair if n_chunks > 1 else None)
+    # Masked pairs of dense calls: the same pipeline once per key sub-tile
+    # range (prm.sub's keys) the block's rows can see, the mask applied to P
+    # and dS. Sub-tiles of (G x 256 rows) x 256 keys each ran logits to dQ as
+    # one dependency chain over a spilled f32 tile (v6e 8k causal d=128: 640
+    # such tiles a head took 1,590 cycles each for 896 of MXU work).
+    def masked_pair():
+        kc = prm.sub[1]
+        c_lo, c_hi = bsched.chunk_bounds(
+            i,
+            j,
+            0,
+            geom=g,
+            sub=(br, kc),
+            q_offset=prm.q_offset,
+            left=prm.left,
+            right=prm.right,
+            xp=jnp,
+        )
+
+        def body(c, carry):
+            keys = (pl.multiple_of(c * kc, kc), kc)
+            _two_buffer_pipeline(
+                n_chunks,
+                depth,
+                at,
+                functools.partial(produce, keys=keys),
+                functools.partial(consume, keys=keys),
+                bufs,
+            )
+            return carry
+
+        lax.fori_loop(c_lo, c_hi, body, 0)
+
+    pipelined = n_chunks > 1
+    _run_pair(
+        prm,
+        i,
+        j,
+        flags,
+        tile,
+        full_pair if pipelined else None,
+        masked_pair if pipelined else None,
+    )
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
