@@ -744,18 +744,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-dk-overwrite",
         FA_BWD,
-        "            dk_acc[...] += dkt\n        else:\n            dv_acc[:, pl.ds(k0, ck)]",
-        "            dk_acc[...] = dkt\n        else:\n            dv_acc[:, pl.ds(k0, ck)]",
-        (FA_SCALE,),
+        "dk_acc[...] += dkt",
+        "dk_acc[...] = dkt",
+        (FA_SCALE, f"{T_FA}::test_backward_chunk_layouts_match_reference"),
         "dK: accumulator overwritten per q block",
-    ),
-    Mutant(
-        "fa-bwd-chunk-dk-overwrite",
-        FA_BWD,
-        "            dk_acc[...] += dkt\n        else:\n            dv_acc[:, pl.ds(k0, kc)]",
-        "            dk_acc[...] = dkt\n        else:\n            dv_acc[:, pl.ds(k0, kc)]",
-        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
-        "dK/dV pipeline: dK's accumulator overwritten by each chunk",
     ),
     Mutant(
         "fa-dv-subtile-offset",

@@ -117,6 +117,15 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
             else:
                 dq_acc[i, hh, :, pl.ds(r0, rc)] += part
 
+    def add_kv(dvt, dkt, k0, ck):
+        """dV^T, dK^T of keys k0:k0+ck of the block += dvt, dkt."""
+        if ck == bkv:
+            dv_acc[...] += dvt
+            dk_acc[...] += dkt
+        else:
+            dv_acc[:, pl.ds(k0, ck)] += dvt
+            dk_acc[:, pl.ds(k0, ck)] += dkt
+
     def tile(masked, r0, rc, k0, ck):
         n = gb * rc
         q3 = _rows(q_ref, r0, rc)
@@ -150,12 +159,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         dkt = _dot_f32(jnp.transpose(q), ds.astype(q.dtype), NT_DIMS, interpret)
         if fuse_dq:  # keys past the end: dP from unspecified V, 0 * inf in dS
             add_dq(jnp.where(mask, ds, 0.0) if masked else ds, r0, rc, k0, ck)
-        if ck == bkv:
-            dv_acc[...] += dvt
-            dk_acc[...] += dkt
-        else:
-            dv_acc[:, pl.ds(k0, ck)] += dvt
-            dk_acc[:, pl.ds(k0, ck)] += dkt
+        add_kv(dvt, dkt, k0, ck)
 
     # Full pairs: chunk c of lc query rows is (head, lane offset) of the block.
     lc = prm.block_chunk_lanes
@@ -249,12 +253,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         p, ds = bufs[0][0:kc, :], bufs[1][0:kc, :]
         dvt = _dot_f32(jnp.transpose(do), p, NT_DIMS, interpret)
         dkt = _dot_f32(jnp.transpose(q), ds, NT_DIMS, interpret)
-        if kc == bkv:
-            dv_acc[...] += dvt
-            dk_acc[...] += dkt
-        else:
-            dv_acc[:, pl.ds(k0, kc)] += dvt
-            dk_acc[:, pl.ds(k0, kc)] += dkt
+        add_kv(dvt, dkt, k0, kc)
         if fuse_dq:
             kt = kt_ref[...] if kc == bkv else kt_ref[:, pl.ds(k0, kc)]
             dqt = _dot_f32(kt, ds, NN_DIMS, interpret)
