@@ -405,11 +405,17 @@ def test_backward_chunk_layouts_match_reference(layout, fuse):
 # (group, block_q, block_kv, sub_block, window, sq, skv) and what the plan
 # must give: (forward lanes a chunk, chunks a state unit; dK/dV lanes a
 # chunk, chunks a block). Windows leave rows that see nothing in a unit's
-# first key range; sq < skv puts the diagonal off the block grid; both have
-# ragged tails.
+# first key range; sq < skv puts the diagonal off the block grid; all have
+# ragged tails. With 256-key ranges (the tables' size) and 512-position dK/dV
+# blocks, the block's later rows see a key range its first sub-tile rows do
+# not (the forward's unit there is one lane chunk: sub-tiles).
 MASKED_PIPELINES = {
     "heads-in-a-chunk-window": ((8, 256, 256, 128, (200, 0), 552, 552), (512, 2, 512, 2)),
     "a-head-a-chunk-offset": ((2, 512, 1024, 512, (-1, 0), 1064, 2088), (512, 2, 512, 2)),
+    "a-head-a-chunk-256-key-ranges": (
+        (2, 512, 1024, 256, (-1, 0), 1064, 2088),
+        (512, 1, 512, 2),
+    ),
 }
 
 

@@ -36,6 +36,7 @@ from .kernel_fwd import (
     _run_pair,
     _set_rows,
     _visible,
+    _visible_chunks,
     _zero_tail_rows,
 )
 
@@ -186,26 +187,30 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
             return ref[pl.ds(hh, 1), off : off + lc]
         return jnp.concatenate([ref[pl.ds(hh + t, 1), :] for t in range(lc // br)], axis=1)
 
-    def chunk_mask(c, k0, kc):
-        """(kc, lc) visibility of keys k0:k0+kc to chunk c's query rows, and
-        the rows' (lc, 1) validity (rows past the end hold unspecified data)."""
+    def chunk_pos(c, shape, axis):
+        """Query positions of chunk c's rows, along `axis` of an iota of `shape`."""
         hh, off = c
-        lane = lax.broadcasted_iota(jnp.int32, (1, lc), 1)
-        pos = i * br + off + (lane if per else lax.rem(lane, br))
-        qvalid = pos < g.q_rows_total
+        r = lax.broadcasted_iota(jnp.int32, shape, axis)
+        return i * br + off + (r if per else lax.rem(r, br))
+
+    def chunk_mask(c, k0, kc):
+        """(kc, lc) visibility of keys k0:k0+kc to chunk c's query rows."""
+        pos = chunk_pos(c, (1, lc), 1)
         kidx, kvalid, _ = _k_side(prm, j, None, k0, kc)
-        mask = _visible(  # compares only where a tail is
+        return _visible(  # compares only where a tail is
             prm,
             pos + prm.q_offset,
-            qvalid if q_tail else None,
+            pos < g.q_rows_total if q_tail else None,
             None,
             kidx,
             kvalid if kv_tail else None,
             None,
         )
-        col = i * br + off + lax.broadcasted_iota(jnp.int32, (lc, 1), 0)
-        rows_valid = (col if per else lax.rem(col - i * br, br) + i * br) < g.q_rows_total
-        return mask, qvalid, rows_valid
+
+    def zero_tail_rows(c, *xs):
+        """xs (chunk c's rows of q, dO) with rows past the end zeroed: unspecified data."""
+        valid = chunk_pos(c, (lc, 1), 0) < g.q_rows_total
+        return [_zero_tail_rows(x, valid) for x in xs]
 
     def produce(c, bufs, keys=None):
         """P and dS of chunk c into bufs; keys=(k0, kc): that key range of a
@@ -215,10 +220,11 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         k, v = k_ref[...], v_ref[...]
         if keys is not None:
             k0, kc = keys
-            mask, qvalid, rows_valid = chunk_mask(c, k0, kc)
+            mask = chunk_mask(c, k0, kc)
             k, v = _keys(k_ref, k0, kc), _keys(v_ref, k0, kc)
             if q_tail:
-                q, do = _zero_tail_rows(q, rows_valid), _zero_tail_rows(do, rows_valid)
+                q, do = zero_tail_rows(c, q, do)
+                qvalid = chunk_pos(c, (1, lc), 1) < g.q_rows_total
                 lse = jnp.where(qvalid, lse, 0.0)
                 delta = jnp.where(qvalid, delta, 0.0)
         s = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)
@@ -248,8 +254,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         else:
             k0, kc = keys
             if q_tail:  # unspecified rows past the end must not reach dV, dK
-                _, _, rows_valid = chunk_mask(c, k0, kc)
-                q, do = _zero_tail_rows(q, rows_valid), _zero_tail_rows(do, rows_valid)
+                q, do = zero_tail_rows(c, q, do)
         p, ds = bufs[0][0:kc, :], bufs[1][0:kc, :]
         dvt = _dot_f32(jnp.transpose(do), p, NT_DIMS, interpret)
         dkt = _dot_f32(jnp.transpose(q), ds, NT_DIMS, interpret)
@@ -274,33 +279,19 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
     # and dS. Sub-tiles of (G x 256 rows) x 256 keys each ran logits to dQ as
     # one dependency chain over a spilled f32 tile (v6e 8k causal d=128: 640
     # such tiles a head took 1,590 cycles each for 896 of MXU work).
-    def masked_pair():
-        kc = prm.sub[1]
-        c_lo, c_hi = bsched.chunk_bounds(
-            i,
-            j,
-            0,
-            geom=g,
-            sub=(br, kc),
-            q_offset=prm.q_offset,
-            left=prm.left,
-            right=prm.right,
-            xp=jnp,
+    def masked_range(k0):
+        keys = (k0, prm.sub[1])
+        _two_buffer_pipeline(
+            n_chunks,
+            depth,
+            at,
+            functools.partial(produce, keys=keys),
+            functools.partial(consume, keys=keys),
+            bufs,
         )
 
-        def body(c, carry):
-            keys = (pl.multiple_of(c * kc, kc), kc)
-            _two_buffer_pipeline(
-                n_chunks,
-                depth,
-                at,
-                functools.partial(produce, keys=keys),
-                functools.partial(consume, keys=keys),
-                bufs,
-            )
-            return carry
-
-        lax.fori_loop(c_lo, c_hi, body, 0)
+    def masked_pair():  # the key ranges any row of the block can see
+        _visible_chunks(prm, i, j, 0, masked_range, rows=br)
 
     pipelined = n_chunks > 1
     _run_pair(
@@ -310,7 +301,7 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         flags,
         tile,
         full_pair if pipelined else None,
-        masked_pair if pipelined else None,
+        masked_pair if pipelined and prm.sub is not None else None,
     )
 
     @pl.when(_flag(flags, bsched.FINAL))

@@ -240,15 +240,16 @@ def _keys(ref, k0, ck):
     return ref[...] if ck == ref.shape[0] else ref[pl.ds(k0, ck), :]
 
 
-def _visible_chunks(prm, i, j, a, run):
-    """Calls run(k0) for each key sub-tile of pair (i, j) that row chunk a can see."""
+def _visible_chunks(prm, i, j, a, run, rows=None):
+    """Calls run(k0) for each key sub-tile of pair (i, j) that row chunk a
+    (of prm.sub's rows, or of `rows`) can see."""
     ck = prm.sub[1]
     c_lo, c_hi = bsched.chunk_bounds(
         i,
         j,
         a,
         geom=prm.geom,
-        sub=prm.sub,
+        sub=(rows or prm.sub[0], ck),
         q_offset=prm.q_offset,
         left=prm.left,
         right=prm.right,
@@ -266,8 +267,8 @@ def _run_pair(prm, i, j, flags, tile, full=None, masked_pair=None):
     """Dispatches one step of the backward kernels to tile(masked, r0, rc, k0, ck).
 
     Fully visible pairs run one whole-block tile without mask work, or
-    `full()`. Masked pairs of dense calls run `masked_pair()`, else are cut
-    into sub-tiles and only those that hold a visible entry run (the
+    `full()`. Masked pairs run `masked_pair()` if given (dense calls only),
+    else in dense calls are cut into sub-tiles and only those that hold a visible entry run (the
     diagonal's upper triangle, a window's far side and sequence tails cost no
     MXU work); other masked pairs run whole.
     """
@@ -278,7 +279,7 @@ def _run_pair(prm, i, j, flags, tile, full=None, masked_pair=None):
 
     @pl.when(jnp.logical_and(compute, masked))
     def _masked():
-        if masked_pair is not None and prm.sub is not None:
+        if masked_pair is not None:
             masked_pair()
             return
         if prm.sub is None:
@@ -469,11 +470,11 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         acc = acc_ref[a, :, l0 : l0 + lc] * alpha
         k_lo, span = (0, g.block_kv) if keys is None else keys
         step = kc if keys is None else span
+        m = m_new
+        if keys is not None:  # a row that saw nothing yet: its masked s - m is 0
+            m = jnp.where(m_new < 0.5 * NEG_INF * (prm.scale if fold else 1.0), 0.0, m_new)
         for k0 in range(0, span, step):
             s = s_buf[k0 : k0 + step, :]
-            m = m_new
-            if keys is not None:  # a row that saw nothing yet: its masked s - m is 0
-                m = jnp.where(m_new < 0.5 * NEG_INF * (prm.scale if fold else 1.0), 0.0, m_new)
             if fold:  # m is in logit units: exp(s * scale - m) as one exp2
                 p = jnp.exp2(s * (prm.scale * LOG2E) - m * LOG2E)
             else:
@@ -520,33 +521,19 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     # unit can see, the same pipeline over the unit's lane chunks, masked.
     # Sub-tiles of (G x 256 rows) x 256 keys held a spilled f32 score tile
     # (v6e 8k causal d=128: 1,071 cycles each for 400 of MXU work).
+    def masked_range(a, k0):
+        keys = (k0, prm.sub[1])
+        st = chunk_scores(a, 0, s0_ref, keys)
+        for r in range(per):
+            nxt = None
+            if r + 1 < per:
+                nxt = chunk_scores(a, (r + 1) * lc, (s0_ref, s1_ref)[(r + 1) % 2], keys)
+            chunk_update(a, r * lc, (s0_ref, s1_ref)[r % 2], *st, keys)
+            st = nxt
+
     def masked_pair():
-        ck = prm.sub[1]
         for a in range(units):
-            c_lo, c_hi = bsched.chunk_bounds(
-                i,
-                j,
-                a,
-                geom=g,
-                sub=prm.sub,
-                q_offset=prm.q_offset,
-                left=prm.left,
-                right=prm.right,
-                xp=jnp,
-            )
-
-            def body(c, carry, a=a):
-                keys = (pl.multiple_of(c * ck, ck), ck)
-                st = chunk_scores(a, 0, s0_ref, keys)
-                for r in range(per):
-                    nxt = None
-                    if r + 1 < per:
-                        nxt = chunk_scores(a, (r + 1) * lc, (s0_ref, s1_ref)[(r + 1) % 2], keys)
-                    chunk_update(a, r * lc, (s0_ref, s1_ref)[r % 2], *st, keys)
-                    st = nxt
-                return carry
-
-            lax.fori_loop(c_lo, c_hi, body, 0)
+            _visible_chunks(prm, i, j, a, functools.partial(masked_range, a))
 
     pipelined = per > 1 and prm.sub is not None and prm.sub[0] == unit
     _unit_pairs(prm, i, j, flags, tile, full_pair, masked_pair if pipelined else None)
