@@ -84,7 +84,8 @@ def _cover_len(generation, head_dim, seq):
     1k points are covered by the 1k bwd program (fwd) or compile themselves
     (bwd); dQ fused into the dK/dV kernel (while the kv head's dQ fits in VMEM)
     makes another program, which covers the shorter fused ones (tests/gate.py:
-    its per-q-block dQ buffer is their buffer with more slots)."""
+    its per-q-block dQ buffer is their buffer with more slots), and so does
+    delta derived in that kernel (it reads O in place of delta)."""
     dclass = fa_tiling.head_dim_class(head_dim, head_dim)
 
     def key(s):
@@ -97,7 +98,7 @@ def _cover_len(generation, head_dim, seq):
             head_dim_v=head_dim,
             itemsize=2,
         )
-        return fa_tiling._entry(generation, s, s, dclass), plan.fuse_dq
+        return fa_tiling._entry(generation, s, s, dclass), plan.fuse_dq, plan.own_delta
 
     return max(s for s in PREFILL if key(s) == key(seq))
 

@@ -454,17 +454,20 @@ def test_masked_pair_pipelines_match_reference(case):
 
 def test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem():
     kw = dict(group=4, head_dim=128, head_dim_v=128, itemsize=2)
-    for gen, t, want in (
-        ("v6e", 8192, True),
-        ("tpu7x", 8192, True),
-        ("v6e", 32768, False),
-        ("tpu7x", 32768, False),
+    for gen, t, want, own in (
+        ("v6e", 8192, True, True),
+        ("v6e", 16384, True, True),
+        ("tpu7x", 8192, True, False),  # O's blocks and delta rows do not fit beside dQ
+        ("v6e", 32768, False, False),
+        ("tpu7x", 32768, False, False),
     ):
         p = tiling.plan(generation=gen, q_len=t, kv_len=t, **kw)
-        assert p.fuse_dq == want, (gen, t)
-        fused = dataclasses.replace(p, fuse_dq=True)
-        need = dict(fused.vmem_needs(4, 128, 128, 2))["dK/dV"]
-        assert (need <= tiling.VMEM_BUDGET_BYTES[gen]) == want, (gen, t)
+        assert (p.fuse_dq, p.own_delta) == (want, own), (gen, t)
+        budget = tiling.VMEM_BUDGET_BYTES[gen]
+        fused = dataclasses.replace(p, fuse_dq=True, own_delta=False)
+        assert (dict(fused.vmem_needs(4, 128, 128, 2))["dK/dV"] <= budget) == want, (gen, t)
+        owned = dataclasses.replace(fused, own_delta=True)
+        assert (dict(owned.vmem_needs(4, 128, 128, 2))["dK/dV"] <= budget) == own, (gen, t)
 
 
 def test_full_pairs_keep_the_running_maximum_in_logit_units():
@@ -858,6 +861,21 @@ def test_schedule_visits_exactly_visible_pairs(sq, skv, group, causal, window, b
         assert np.array_equal(outer[(flags & bsched.INIT) != 0], np.arange(n_outer))
         assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
         assert np.all(np.diff(outer) >= 0)
+        _assert_first_visits(qi, flags, q_major)
+
+
+def _assert_first_visits(qi, flags, q_major):
+    """FIRST marks each q block's first computed step of the kv-major walk
+    (where dK/dV derives its delta, read by every later step), and nothing else."""
+    first = (flags & bsched.FIRST) != 0
+    if q_major:
+        assert not first.any()
+        return
+    comp = np.flatnonzero((flags & bsched.COMPUTE) != 0)
+    want = np.zeros_like(first)
+    _, at = np.unique(qi[comp], return_index=True)
+    want[comp[at]] = True
+    np.testing.assert_array_equal(first, want)
 
 
 @pytest.mark.parametrize(
@@ -981,6 +999,7 @@ def test_varlen_schedule_bound_and_coverage(lq, lk):
             n_outer = nq if q_major else nk
             assert np.array_equal(outer[(flags & bsched.INIT) != 0], np.arange(n_outer))
             assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
+            _assert_first_visits(qi, flags, q_major)
 
 
 # ---------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class _Static:
     interpret: bool
     batch_meta: bool  # segment/position arrays have a batch axis (else shared)
     fuse_dq: bool  # dK/dV's kernel computes dQ too (tiling.Plan.fuse_dq)
+    own_delta: bool  # and delta, where nothing else needs it (tiling.Plan.own_delta)
 
 
 def _kernels_fwd(st, q5, k, v, sinks, aux):
@@ -44,10 +45,12 @@ def _kernels_fwd(st, q5, k, v, sinks, aux):
 
 def _kernels_bwd(st, q5, k, v, sinks, aux, o5, lse, do5, dlse):
     """(dq5, dk, dv, dsinks) from the forward's output and logsumexp, kernel layout."""
-    # d(lse)/d(logits) = p, so an lse cotangent folds into delta.
-    delta = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)
-    if dlse is not None:
-        delta = delta - dlse.astype(jnp.float32)
+    own_delta = st.own_delta and sinks is None  # the sinks' gradient needs delta
+    delta = None
+    if not own_delta:
+        delta = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)
+        if dlse is not None:  # d(lse)/d(logits) = p: an lse cotangent folds into delta
+            delta = delta - dlse.astype(jnp.float32)
     do5 = do5.astype(q5.dtype)
     out = kernel_bwd.dkdv_call(
         st.dkdv,
@@ -62,6 +65,8 @@ def _kernels_bwd(st, q5, k, v, sinks, aux, o5, lse, do5, dlse):
         st.interpret,
         st.batch_meta,
         st.fuse_dq,
+        o5 if own_delta else None,
+        dlse if own_delta else None,
     )
     if st.fuse_dq:
         dk, dv, dq5 = out
@@ -267,6 +272,7 @@ def _dense_call(
         bool(interpret),
         has_seg,
         plan.fuse_dq,
+        plan.own_delta,
     )
     kw = dict(
         q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right, segmented=has_seg
@@ -376,6 +382,7 @@ def _varlen_call(
         bool(interpret),
         False,
         plan.fuse_dq,
+        plan.own_delta,
     )
 
     # [T, H, D] <-> [1, H, T, D] kernel layout; per-row [H, T] <-> [1, H, T].

@@ -61,12 +61,28 @@ from .kernel_fwd import (
 # c's dV, dK (and dQ) matmuls read the other buffers. A masked pair of a
 # dense call runs the same pipeline once per key sub-tile range its rows can
 # see, the mask applied to P and dS (masked_pair).
+#
+# With `own_delta` (fused calls without sinks) the kernel reads O in place
+# of delta and derives delta = rowsum(dO * O) (- an lse cotangent) of a q
+# block at its first computed pair (the schedule's FIRST flag) into VMEM,
+# where its later pairs read it: an XLA pass over O and dO fewer. A fully
+# visible first pair derives it chunk by chunk inside its pipeline, where the
+# scheduler overlaps it with the matmuls; any other does the block at once.
 
 
-def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: bool):
+def _dkdv_kernel(
+    sched_ref,
+    *refs,
+    prm: KernelParams,
+    interpret: bool,
+    fuse_dq: bool,
+    own_delta: bool,
+    has_dlse: bool,
+):
     refs = list(refs)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]  # own_delta: O, not delta
     refs = refs[6:]
+    dlse_ref = refs.pop(0) if has_dlse else None  # own_delta: the lse cotangent's rows
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
     dk_ref, dv_ref = refs[:2]
@@ -75,7 +91,10 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
     # fused: dq_acc (q blocks, Gb, D, br) f32, kt (D, bkv), dq_out (2, Gb, br, D), sems (2,)
     dk_acc, dv_acc, p0, p1, ds0, ds1 = refs[2:8]
     if fuse_dq:
-        dq_acc, kt_ref, dq_out, dq_sems = refs[8:]
+        dq_acc, kt_ref, dq_out, dq_sems = refs[8:12]
+    o_ref = None
+    if own_delta:  # delta_all: (q blocks, Gb, br) f32, each q block's delta rows
+        o_ref, delta_all = delta_ref, refs[-1]
 
     g = prm.geom
     gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
@@ -84,6 +103,8 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
     step = pl.program_id(2)
     bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
     j, i, flags = _decode(sched_ref, step)
+    if own_delta:
+        delta_ref = delta_all.at[i]
 
     @pl.when(_flag(flags, bsched.INIT))
     def _init():
@@ -212,11 +233,26 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         valid = chunk_pos(c, (lc, 1), 0) < g.q_rows_total
         return [_zero_tail_rows(x, valid) for x in xs]
 
-    def produce(c, bufs, keys=None):
+    def set_chunk_lane_row(c, ref, x):
+        hh, off = c
+        if per:
+            ref[pl.ds(hh, 1), off : off + lc] = x
+        else:
+            for t in range(lc // br):
+                ref[pl.ds(hh + t, 1), :] = x[:, t * br : (t + 1) * br]
+
+    def produce(c, bufs, keys=None, first=False):
         """P and dS of chunk c into bufs; keys=(k0, kc): that key range of a
-        masked pair, the mask applied."""
+        masked pair, the mask applied. first: derive the chunk's delta too."""
         q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
-        lse, delta = chunk_lane_row(c, lse_ref), chunk_lane_row(c, delta_ref)
+        lse = chunk_lane_row(c, lse_ref)
+        if first:
+            delta = _delta_row(chunk_rows(c, o_ref), do)
+            if has_dlse:
+                delta = delta - chunk_lane_row(c, dlse_ref)
+            set_chunk_lane_row(c, delta_ref, delta)
+        else:
+            delta = chunk_lane_row(c, delta_ref)
         k, v = k_ref[...], v_ref[...]
         if keys is not None:
             k0, kc = keys
@@ -272,7 +308,19 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
     bufs = ((p0, ds0), (p1, ds1))
 
     def full_pair():
-        _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
+        if not own_delta:
+            _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
+            return
+        first = _flag(flags, bsched.FIRST)
+
+        @pl.when(first)
+        def _first():
+            first_produce = functools.partial(produce, first=True)
+            _two_buffer_pipeline(n_chunks, depth, at, first_produce, consume, bufs)
+
+        @pl.when(jnp.logical_not(first))
+        def _later():
+            _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
 
     # Masked pairs of dense calls: the same pipeline once per key sub-tile
     # range (prm.sub's keys) the block's rows can see, the mask applied to P
@@ -294,6 +342,17 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         _visible_chunks(prm, i, j, 0, masked_range, rows=br)
 
     pipelined = n_chunks > 1
+    if own_delta:  # a first pair that no full pipeline runs: the block's delta at once
+        first = _flag(flags, bsched.FIRST)
+
+        @pl.when(jnp.logical_and(first, _flag(flags, bsched.MASK)) if pipelined else first)
+        def _block_delta():
+            for hh in range(gb):
+                delta = _delta_row(o_ref[hh], do_ref[hh])
+                if has_dlse:
+                    delta = delta - dlse_ref[pl.ds(hh, 1), :]
+                delta_ref[pl.ds(hh, 1), :] = delta
+
     _run_pair(
         prm,
         i,
@@ -314,6 +373,13 @@ def _dkdv_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool, fuse_dq: 
         @pl.when(step == pl.num_programs(2) - 1)
         def _write_dq():
             _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dq_hbm.at[bh[0], bh[1]])
+
+
+def _delta_row(o, do):
+    """(1, rows) rowsum(dO * O) in f32 of (rows, Dv) blocks, rows in lanes
+    (transposed first: a sublane reduction, not a cross-lane one)."""
+    x = jnp.transpose(o).astype(jnp.float32) * jnp.transpose(do).astype(jnp.float32)
+    return jnp.sum(x, axis=0, keepdims=True)
 
 
 def _two_buffer_pipeline(n, depth, at, produce, consume, bufs):
@@ -446,12 +512,26 @@ def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
     return args + margs, specs + mspecs, q_spec, kv_spec
 
 
-def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta, fuse_dq):
-    """(dk, dv), or (dk, dv, dq5) with fuse_dq."""
+def dkdv_call(
+    prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta, fuse_dq, o5=None, dlse=None
+):
+    """(dk, dv), or (dk, dv, dq5) with fuse_dq. o5 (fused only) in place of
+    delta (None): the kernel derives delta itself, minus dlse if given."""
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
     gb = prm.heads_in_block
-    args, specs, _, kv_spec = _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, False, batch_meta)
+    own_delta = o5 is not None
+    if own_delta and not fuse_dq:
+        raise ValueError("o5: the dK/dV kernel derives delta only with fuse_dq")
+    args, specs, q_spec, kv_spec = _bwd_operands(
+        prm, q5, k, v, do5, lse, o5 if own_delta else delta, aux, False, batch_meta
+    )
+    has_dlse = own_delta and dlse is not None
+    if own_delta:
+        specs[5] = q_spec(prm.head_dim_v)
+        if has_dlse:
+            args.insert(6, dlse.astype(jnp.float32))
+            specs.insert(6, specs[4])  # lse's
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [kv_spec(prm.head_dim), kv_spec(prm.head_dim_v)]
     lc = prm.block_chunk_lanes
@@ -472,8 +552,18 @@ def dkdv_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta,
             pltpu.VMEM((2, gb, g.block_pos, prm.head_dim), q5.dtype),
             pltpu.SemaphoreType.DMA((2,)),
         ]
+    if own_delta:
+        scratch.append(pltpu.VMEM((nq, gb, g.block_pos), jnp.float32))
+    kernel = functools.partial(
+        _dkdv_kernel,
+        prm=prm,
+        interpret=bool(interpret),
+        fuse_dq=fuse_dq,
+        own_delta=own_delta,
+        has_dlse=has_dlse,
+    )
     out = pl.pallas_call(
-        functools.partial(_dkdv_kernel, prm=prm, interpret=bool(interpret), fuse_dq=fuse_dq),
+        kernel,
         out_shape=tuple(out_shape),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,

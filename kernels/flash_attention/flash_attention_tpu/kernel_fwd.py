@@ -137,7 +137,7 @@ def _decode(sched_ref, p):
     return (
         word >> bsched.OUTER_SHIFT,
         (word >> bsched.INNER_SHIFT) & (bsched.MAX_INNER_BLOCKS - 1),
-        word & 15,
+        word & bsched.FLAG_BITS,
     )
 
 

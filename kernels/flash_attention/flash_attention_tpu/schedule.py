@@ -15,6 +15,8 @@ where "outer" is the block whose accumulators live across consecutive steps
     COMPUTE  the pair holds at least one visible entry
     MASK     the pair is not fully visible (diagonal, window edge, sequence
              tail, segment ids): apply the elementwise mask
+    FIRST    (kv-major order only) the first computed pair of its q block:
+             where the dK/dV kernel derives the block's delta = rowsum(dO * O)
 
 An outer block with nothing visible still gets one step (INIT | FINAL, no
 COMPUTE) so its output (zeros) is written. Steps past the end of a
@@ -35,9 +37,11 @@ INIT = 1
 FINAL = 2
 COMPUTE = 4
 MASK = 8
+FIRST = 16
+FLAG_BITS = 31
 
 OUTER_SHIFT = 18
-INNER_SHIFT = 4
+INNER_SHIFT = 5
 MAX_OUTER_BLOCKS = 1 << (31 - OUTER_SHIFT)
 MAX_INNER_BLOCKS = 1 << (OUTER_SHIFT - INNER_SHIFT)
 
@@ -49,7 +53,7 @@ MAX_STEPS = 1 << 17
 
 def decode_word(word):
     """(outer, inner, flags) of a schedule word (works on numpy, jax, scalars)."""
-    return word >> OUTER_SHIFT, (word >> INNER_SHIFT) & (MAX_INNER_BLOCKS - 1), word & 15
+    return word >> OUTER_SHIFT, (word >> INNER_SHIFT) & (MAX_INNER_BLOCKS - 1), word & FLAG_BITS
 
 
 def _check_steps(steps):
@@ -105,6 +109,12 @@ def transpose_ranges(lo, hi, n_inner, xp=np):
     first = xp.searchsorted(hi, j, side="left").astype(np.int32)  # first i: hi_i >= j
     last = (xp.searchsorted(lo, j, side="right") - 1).astype(np.int32)  # last i: lo_i <= j
     return first, last
+
+
+def first_visits(kv, q, flags, lo, xp=np):
+    """FIRST bits of a kv-major schedule: q block q's computed pairs are kv
+    blocks lo[q]..hi[q] (its row-major range), so its first is kv block lo[q]."""
+    return xp.where(((flags & COMPUTE) != 0) & (kv == lo[q]), FIRST, 0).astype(np.int32)
 
 
 def pack(outer, inner, flags, xp=np):
@@ -190,6 +200,7 @@ def dense_schedules(geom_rows, geom_cols, *, q_offset, group, causal, left, righ
         clo, chi = transpose_ranges(lo, hi, g.num_kv_blocks)
         kj, qi, fl = enumerate_pairs(clo, chi, g.num_q_blocks)
         fl = fl | np.where(fl & COMPUTE, _dense_mask_flags(g, qi, kj, segmented=segmented, **kw), 0)
+        fl = fl | first_visits(kj, qi, fl, lo)
         out.append(pack(kj, qi, fl))
     return out
 
@@ -366,5 +377,6 @@ def varlen_schedules(
     bound = varlen_step_bound(nq, nk, g.block_kv, max_seqlen_k) + nk
     kj, qi, fl = enumerate_pairs(clo, chi, nq, bound, xp=jnp)
     fl = fl | jnp.where(fl & COMPUTE, MASK, 0)
+    fl = fl | first_visits(kj, qi, fl, lo, xp=jnp)
     scheds.append(pack(kj, qi, fl, xp=jnp))
     return seg, pos, scheds

@@ -320,6 +320,14 @@ def fused_dq_vmem_bytes(geom, d, itemsize):
     return geom.num_q_blocks * geom.rows * d * 4 + (geom.block_kv + 2 * geom.rows) * d * itemsize
 
 
+def own_delta_vmem_bytes(geom, dv, itemsize):
+    """What a fused dK/dV kernel deriving delta adds: O's blocks in place of
+    delta's, and the kv head's f32 delta rows."""
+    heads = geom.rows // geom.block_pos
+    rows = geom.num_q_blocks * _round_up(heads, 8) * _round_up(geom.block_pos, LANES) * 4
+    return 2 * geom.rows * _lanes(dv) * itemsize + rows
+
+
 def dq_vmem_bytes(rows, bkv, d, dv, itemsize):
     d, dv = _lanes(d), _lanes(dv)
     io = 2 * (rows * d + rows * dv + bkv * d + bkv * dv + rows * d) * itemsize
@@ -351,6 +359,7 @@ class Plan:
     sub_block: int
     slab_rows: int = 0
     fuse_dq: bool = False  # the dK/dV kernel computes dQ too (no dQ kernel)
+    own_delta: bool = False  # and derives delta = rowsum(dO * O) itself (no XLA pass)
 
     def vmem_needs(self, group, head_dim, head_dim_v, itemsize):
         """((kernel, bytes), ...): the VMEM each of the three kernels needs."""
@@ -364,7 +373,8 @@ class Plan:
             (
                 "dK/dV",
                 dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)
-                + (fused_dq_vmem_bytes(dkdv, head_dim, itemsize) if self.fuse_dq else 0),
+                + (fused_dq_vmem_bytes(dkdv, head_dim, itemsize) if self.fuse_dq else 0)
+                + (own_delta_vmem_bytes(dkdv, head_dim_v, itemsize) if self.own_delta else 0),
             ),
             ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
         )
@@ -428,10 +438,16 @@ def plan(
         budget = VMEM_BUDGET_BYTES[generation]
         over = [(k, n) for k, n in needs if n > budget]
         if not over:
-            # dQ in the dK/dV kernel when the kv head's dQ fits beside it
-            fused = dataclasses.replace(p, fuse_dq=True)
-            need = dict(fused.vmem_needs(group, head_dim, head_dim_v, itemsize))["dK/dV"]
-            return fused if bs.fuse_dq and need <= budget else p
+            # dQ in the dK/dV kernel when the kv head's dQ fits beside it, and
+            # delta too when O's blocks and the head's delta rows also fit
+            for fused in (
+                dataclasses.replace(p, fuse_dq=True, own_delta=True),
+                dataclasses.replace(p, fuse_dq=True),
+            ):
+                need = dict(fused.vmem_needs(group, head_dim, head_dim_v, itemsize))["dK/dV"]
+                if bs.fuse_dq and need <= budget:
+                    return fused
+            return p
         if explicit:
             check_vmem(*over[0], generation)
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
