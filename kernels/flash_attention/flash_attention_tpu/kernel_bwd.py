@@ -103,8 +103,10 @@ def _dkdv_kernel(
     step = pl.program_id(2)
     bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
     j, i, flags = _decode(sched_ref, step)
+    first_pair = None  # own_delta: this step is its q block's first computed pair
     if own_delta:
         delta_ref = delta_all.at[i]
+        first_pair = _flag(flags, bsched.FIRST)
 
     @pl.when(_flag(flags, bsched.INIT))
     def _init():
@@ -311,14 +313,13 @@ def _dkdv_kernel(
         if not own_delta:
             _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
             return
-        first = _flag(flags, bsched.FIRST)
 
-        @pl.when(first)
+        @pl.when(first_pair)
         def _first():
             first_produce = functools.partial(produce, first=True)
             _two_buffer_pipeline(n_chunks, depth, at, first_produce, consume, bufs)
 
-        @pl.when(jnp.logical_not(first))
+        @pl.when(jnp.logical_not(first_pair))
         def _later():
             _two_buffer_pipeline(n_chunks, depth, at, produce, consume, bufs)
 
@@ -343,9 +344,10 @@ def _dkdv_kernel(
 
     pipelined = n_chunks > 1
     if own_delta:  # a first pair that no full pipeline runs: the block's delta at once
-        first = _flag(flags, bsched.FIRST)
 
-        @pl.when(jnp.logical_and(first, _flag(flags, bsched.MASK)) if pipelined else first)
+        @pl.when(
+            jnp.logical_and(first_pair, _flag(flags, bsched.MASK)) if pipelined else first_pair
+        )
         def _block_delta():
             for hh in range(gb):
                 delta = _delta_row(o_ref[hh], do_ref[hh])
