@@ -233,6 +233,7 @@ class LaunchSchedule:
     unknown_branches: int
     notes: list
     mxu_stall_cycles: float = 0.0  # matmul ops waiting for their MXU
+    stopped: bool = False  # the executor's bundle limit cut the run: not a figure
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -284,7 +285,11 @@ def hbm_model(generation: str) -> llo.HbmModel:
 
 
 def run_schedule(
-    text: str, operands: dict, generation: str, name: str = "kernel", max_bundles: int = 50_000_000
+    text: str,
+    operands: dict,
+    generation: str,
+    name: str = "kernel",
+    max_bundles: int = llo.MAX_BUNDLES,
 ) -> LaunchSchedule:
     res = llo.simulate(text, operands, hbm_model(generation), generation, max_bundles)
     hz = clock_hz(generation)
@@ -315,6 +320,7 @@ def run_schedule(
         res.unknown_branches,
         res.notes,
         res.mxu_stall_cycles,
+        res.stopped,
     )
 
 

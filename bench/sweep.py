@@ -83,7 +83,10 @@ class Context:
                 schedule.unpack(comp.schedule), values, generation, launch.name
             )
             self.timings["schedule"] = self.timings.get("schedule", 0.0) + time.perf_counter() - t
-        return comp, self.schedules[key], None
+        sch = self.schedules[key]
+        if sch.stopped:  # a lower bound reported as a time would flatter the launch
+            return comp, None, f"schedule cut off after {sch.bundles:,} bundles"
+        return comp, sch, None
 
     def compile_kernels(self, fn, args, generation) -> xla_cost.Compiled:
         """Compile gate of every pallas_call fn(*args) makes, each on its own

@@ -75,6 +75,17 @@ def test_loop_runs_the_trip_count_read_from_smem(trips):
     assert r.stall_cycles == pytest.approx(50 + 32 / 100.0 - 1, abs=1.0)
 
 
+def test_a_run_cut_off_at_the_bundle_limit_says_so():
+    # 9 passes issue 68 bundles; a limit below that stops the run early, and
+    # its times are then lower bounds the sweep must not report as figures.
+    text = _loop_program(delay_pad=4)
+    values = {0: [0, 0, 9, 0, 0, 0, 0, 0]}
+    for limit, stopped in ((1_000, False), (68, False), (67, True), (30, True)):
+        r = llo._Machine(llo.parse(text), values, HBM, limit, "fixed4").run()
+        assert r.stopped == stopped, limit
+        assert r.bundles == (limit + 1 if stopped else 68), limit
+
+
 def test_unknown_predicate_is_reported_not_guessed():
     text = _loop_program(delay_pad=4)
     r = _run(text, {})  # no operand values: the trip count is unknown
@@ -377,3 +388,29 @@ def test_a_matmul_never_schedules_faster_than_its_mxus(generation):
     floor = 2 * m * k * n / tpu_info.facts(generation).mxu_flops_per_cycle
     compute = s.cycles - s.stall_cycles  # the DMAs of a grid-less call are not overlapped
     assert floor <= compute <= 1.35 * floor, (compute, floor, s.mxu_stall_cycles)
+
+
+def test_the_sweep_reports_no_time_for_a_run_cut_off(monkeypatch):
+    # A launch whose schedule the bundle limit cut (a causal 32k flash
+    # backward under the old 50M limit scheduled 0.91x its MXU floor) gets no
+    # scheduled time, and says why.
+    from bench import sweep, xla_cost
+
+    def run(stopped):
+        sch = schedule.LaunchSchedule(
+            "k", "v6e", 1e-3, 1e6, 1_000_001, 10, 0.0, 0, 0, [], 0, [], 0.0, stopped
+        )
+        comp = xla_cost.Compiled("v6e", True, None, None, None, None, None, 0.0, schedule="x")
+        ctx = sweep.Context(generations=("v6e",), compiles=None)
+        monkeypatch.setattr(ctx, "compile", lambda *a, **k: comp)
+        monkeypatch.setattr(tracing, "launch_program", lambda launch: (None, ()))
+        monkeypatch.setattr(tracing, "launch_signature", lambda launch: "sig")
+        monkeypatch.setattr(schedule, "operand_values", lambda operands: {})
+        monkeypatch.setattr(schedule, "unpack", lambda text: text)
+        monkeypatch.setattr(schedule, "run_schedule", lambda *a: sch)
+        return ctx.gate_and_schedule(type("L", (), {"operands": (), "name": "k"})(), "v6e")
+
+    _, sch, why = run(stopped=False)
+    assert sch is not None and why is None
+    _, sch, why = run(stopped=True)
+    assert sch is None and "cut off after 1,000,001 bundles" in why

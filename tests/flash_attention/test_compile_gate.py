@@ -11,8 +11,9 @@ prefill points of one generation, head_dim and mask get the same blocks, so
 the 32k bwd program holds every launch of the others at other sequence
 lengths (and the fwd launch is the one its bwd makes): they are checked as
 covered by tracing (tests/gate.py) instead of compiled. Where the backward
-fuses dQ into the dK/dV kernel (tiling.Plan.fuse_dq: 8k and shorter, not
-32k) the longest fused bwd program covers the shorter fused ones instead,
+fuses dQ into the dK/dV kernel (tiling.Plan.fuse_dq: on v6e up to 32k at
+d <= 128, on tpu7x up to 16k) the longest fused bwd program covers the
+shorter fused ones instead,
 so 51 points have no cover and compile, in a pool of worker processes (one
 per core). Measured alone on the shared 2-core machine (`time pytest` of
 this module): 17.5 CPU-minutes with 63 compiles and the session's compiler
@@ -190,16 +191,24 @@ def test_other_programs_compile(point, pool):
     pool.assert_ok(__file__, point)
 
 
-def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch):
+@pytest.mark.parametrize(
+    "gen, d, t",
+    # The tightest fused dK/dV plans: dQ and delta in the kernel at the
+    # longest lengths the chunk-sized temporaries let in (test_flash_attention.py,
+    # test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem).
+    [("tpu7x", 128, 16384), ("tpu7x", 256, 8192), ("v6e", 128, 32768)],
+)
+def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch, gen, d, t):
     # Compile with the VMEM limit set to tiling's own estimate: if the estimate
     # undercounts what Mosaic allocates, this fails (the table would then
     # claim configs fit that do not).
     from flash_attention_tpu import tiling
 
-    gen, d, t, group = "tpu7x", 128, 8192, HQ // HKV
+    group = HQ // HKV
     plan = tiling.plan(
         generation=gen, q_len=t, kv_len=t, group=group, head_dim=d, head_dim_v=d, itemsize=2
     )
+    assert plan.fuse_dq and plan.own_delta, (gen, d, t)
     needs = dict(plan.vmem_needs(group, d, d, 2))
     fwd_need, need = needs["forward"], max(needs.values())
     args = [spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d))]
@@ -207,4 +216,10 @@ def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch):
     monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, fwd_need)
     assert_compiles(_fn(gen, "causal", "fwd"), args, gen)
     monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, need)
+    assert (
+        tiling.plan(
+            generation=gen, q_len=t, kv_len=t, group=group, head_dim=d, head_dim_v=d, itemsize=2
+        )
+        == plan
+    )
     assert_compiles(_fn(gen, "causal", "bwd"), args, gen)

@@ -453,21 +453,80 @@ def test_masked_pair_pipelines_match_reference(case):
 
 
 def test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem():
+    # Dense calls pipeline every pair over 512-row lane chunks, so a dK/dV
+    # step holds a chunk's temporaries; segmented (varlen) calls hold the
+    # whole block's in their masked pairs, and fuse less.
     kw = dict(group=4, head_dim=128, head_dim_v=128, itemsize=2)
-    for gen, t, want, own in (
-        ("v6e", 8192, True, True),
-        ("v6e", 16384, True, True),
-        ("tpu7x", 8192, True, False),  # O's blocks and delta rows do not fit beside dQ
-        ("v6e", 32768, False, False),
-        ("tpu7x", 32768, False, False),
+    for gen, t, segmented, want, own in (
+        ("v6e", 8192, False, True, True),
+        ("v6e", 16384, False, True, True),
+        ("v6e", 32768, False, True, True),
+        ("v6e", 32768, True, False, False),
+        ("tpu7x", 8192, False, True, True),
+        ("tpu7x", 8192, True, True, False),  # O's blocks and delta rows do not fit beside dQ
+        ("tpu7x", 16384, False, True, True),
+        ("tpu7x", 16384, True, False, False),
+        ("tpu7x", 32768, False, False, False),
     ):
-        p = tiling.plan(generation=gen, q_len=t, kv_len=t, **kw)
-        assert (p.fuse_dq, p.own_delta) == (want, own), (gen, t)
+        p = tiling.plan(generation=gen, q_len=t, kv_len=t, segmented=segmented, **kw)
+        assert (p.fuse_dq, p.own_delta) == (want, own), (gen, t, segmented)
+        rows = tiling.dkdv_tile_rows(p.dkdv, p.sub_block, segmented)
+        assert (p.dkdv.rows, rows) == (2048, 2048 if segmented else 512), (gen, t, segmented)
         budget = tiling.VMEM_BUDGET_BYTES[gen]
         fused = dataclasses.replace(p, fuse_dq=True, own_delta=False)
-        assert (dict(fused.vmem_needs(4, 128, 128, 2))["dK/dV"] <= budget) == want, (gen, t)
+        need = dict(fused.vmem_needs(4, 128, 128, 2))["dK/dV"]
+        assert (need <= budget) == want, (gen, t, segmented)
         owned = dataclasses.replace(fused, own_delta=True)
-        assert (dict(owned.vmem_needs(4, 128, 128, 2))["dK/dV"] <= budget) == own, (gen, t)
+        need = dict(owned.vmem_needs(4, 128, 128, 2))["dK/dV"]
+        assert (need <= budget) == own, (gen, t, segmented)
+
+
+def test_calls_with_segments_plan_whole_block_temporaries(monkeypatch):
+    # Segment ids and varlen's positions make masked pairs whole-block tiles:
+    # a plan that counted a chunk's temporaries there would fuse dQ where
+    # Mosaic runs out of VMEM (tpu7x 16k: 46.8 of 48 MiB counted, ~18 more held).
+    seen = []
+    plan = tiling.plan
+    monkeypatch.setattr(tiling, "plan", lambda **kw: seen.append(kw["segmented"]) or plan(**kw))
+    t, hq, hkv, d = 256, 4, 2, 64
+    q = jax.ShapeDtypeStruct((1, hq, t, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, hkv, t, d), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    jax.eval_shape(lambda q, k, v: fa.flash_attention(q, k, v, causal=True), q, kv, kv)
+    jax.eval_shape(
+        lambda q, k, v, s: fa.flash_attention(q, k, v, q_segment_ids=s, kv_segment_ids=s),
+        q,
+        kv,
+        kv,
+        seg,
+    )
+    qv = jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16)
+    kvv = jax.ShapeDtypeStruct((t, hkv, d), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+    jax.eval_shape(
+        lambda q, k, v, c: fa.flash_attention_varlen(q, k, v, c, c, t, t, causal=True),
+        qv,
+        kvv,
+        kvv,
+        cu,
+    )
+    assert seen == [False, True, True]
+
+
+def test_dkdv_tile_rows_follow_the_kernels_paths():
+    # Blocks that a 512-row chunk does not cut, and the decode layout, run
+    # masked pairs as one whole-block tile (kernel_bwd.py, _run_pair).
+    def rows(q_len, group, segmented=False, block_q=512, block_kv=512):
+        geom = tiling.geometry(
+            block_q, block_kv, q_len=q_len, kv_len=max(q_len, 4096), group=group, max_rows=2048
+        )
+        return geom.rows, tiling.dkdv_tile_rows(geom, 256, segmented)
+
+    assert rows(4096, 4) == (2048, 512)
+    assert rows(4096, 4, segmented=True) == (2048, 2048)
+    assert rows(4096, 1) == (512, 512)  # one chunk: the block
+    assert rows(256, 4, block_q=256, block_kv=256) == (1024, 1024)  # no sub-tiles
+    assert rows(16, 8) == (128, 128)  # decode layout
 
 
 def test_full_pairs_keep_the_running_maximum_in_logit_units():

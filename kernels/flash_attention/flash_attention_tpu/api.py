@@ -221,7 +221,7 @@ def _generation(config):
     )
 
 
-def _plan(pb, dtype, config):
+def _plan(pb, dtype, config, segmented):
     generation, block_sizes = _generation(config)
     plan = tiling.plan(
         generation=generation,
@@ -232,6 +232,7 @@ def _plan(pb, dtype, config):
         head_dim_v=pb.head_dim_v,
         itemsize=jnp.dtype(jnp.float32 if dtype == jnp.float16 else dtype).itemsize,
         block_sizes=block_sizes,
+        segmented=segmented,
     )
     return generation, plan
 
@@ -243,9 +244,9 @@ def _dense_call(
     hq, hkv = pb.num_q_heads, pb.num_kv_heads
     if pb.q_len == 0 or pb.kv_len == 0:
         return _Call(pb, None, None, *(None,) * 6)
-    generation, plan = _plan(pb, q.dtype, config)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
     has_seg = q_segment_ids is not None
+    generation, plan = _plan(pb, q.dtype, config, segmented=has_seg)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
     q_offset = pb.kv_len - pb.q_len
     grp = pb.group
 
@@ -333,7 +334,7 @@ def _varlen_call(
     hq, hkv = pb.num_q_heads, pb.num_kv_heads
     if pb.q_len == 0 or pb.kv_len == 0:
         return _Call(pb, None, None, *(None,) * 6)
-    generation, plan = _plan(pb, q.dtype, config)
+    generation, plan = _plan(pb, q.dtype, config, segmented=True)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
     grp = pb.group
     cu_q = cu_seqlens_q.astype(jnp.int32)

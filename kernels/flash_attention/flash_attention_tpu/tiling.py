@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from . import schedule as bsched
 from ._torch_bindings import tpu_info
 
 # Generations with a block table (v5p uses tpu7x's: same VMEM).
@@ -302,7 +303,25 @@ def fwd_vmem_bytes(rows, bkv, d, dv, itemsize, unit_rows=None):
     return io + scratch + temps
 
 
-def dkdv_vmem_bytes(rows, bkv, d, dv, itemsize):
+def dkdv_tile_rows(geom: Geometry, sub_block: int, segmented: bool) -> int:
+    """Query rows of the (rows x keys) f32 temporaries one dK/dV step holds.
+
+    Dense calls run both kinds of pair as a pipeline over lane chunks of the
+    block (kernel_bwd.py: a full pair over all keys, a masked one over each
+    sub-tile key range), so a step holds one chunk's; calls with segments or
+    positions, and blocks too small to cut, compute masked pairs as one
+    whole-block tile. Counting the whole block for the pipelines kept the
+    fused dQ out of tpu7x's 48 MiB at 16k (24 MiB of temporaries at
+    2048 x 512 where a chunk's are 6).
+    """
+    heads = 1 if geom.seq_major else geom.rows // geom.block_pos
+    lanes = fwd_chunk_lanes(heads, geom.block_pos)
+    sub = bsched.sub_tiles(geom, sub_block, eligible=not segmented)
+    return lanes if sub is not None and geom.rows > lanes else geom.rows
+
+
+def dkdv_vmem_bytes(rows, bkv, d, dv, itemsize, tile_rows=None):
+    """tile_rows: rows of the step's temporaries (dkdv_tile_rows); None: all rows."""
     d, dv = _lanes(d), _lanes(dv)
     io = 2 * (rows * d + rows * dv + bkv * d + bkv * dv) * itemsize
     io += 2 * 2 * 8 * _round_up(rows, LANES) * 4  # lse, delta
@@ -310,7 +329,7 @@ def dkdv_vmem_bytes(rows, bkv, d, dv, itemsize):
     io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4
     scratch = bkv * (d + dv) * 4
     scratch += 4 * bkv * FWD_CHUNK_LANES[0] * itemsize  # a full pair's P and dS buffers
-    temps = rows * bkv * (5 * 4 + 2 * itemsize)  # s, p, dp, ds, mask + casts
+    temps = (tile_rows or rows) * bkv * (5 * 4 + 2 * itemsize)  # s, p, dp, ds, mask + casts
     return io + scratch + temps
 
 
@@ -360,6 +379,7 @@ class Plan:
     slab_rows: int = 0
     fuse_dq: bool = False  # the dK/dV kernel computes dQ too (no dQ kernel)
     own_delta: bool = False  # and derives delta = rowsum(dO * O) itself (no XLA pass)
+    segmented: bool = False  # segment ids or positions: masked pairs run whole-block tiles
 
     def vmem_needs(self, group, head_dim, head_dim_v, itemsize):
         """((kernel, bytes), ...): the VMEM each of the three kernels needs."""
@@ -372,7 +392,14 @@ class Plan:
             ),
             (
                 "dK/dV",
-                dkdv_vmem_bytes(dkdv.rows, dkdv.block_kv, head_dim, head_dim_v, itemsize)
+                dkdv_vmem_bytes(
+                    dkdv.rows,
+                    dkdv.block_kv,
+                    head_dim,
+                    head_dim_v,
+                    itemsize,
+                    dkdv_tile_rows(dkdv, self.sub_block, self.segmented),
+                )
                 + (fused_dq_vmem_bytes(dkdv, head_dim, itemsize) if self.fuse_dq else 0)
                 + (own_delta_vmem_bytes(dkdv, head_dim_v, itemsize) if self.own_delta else 0),
             ),
@@ -397,8 +424,12 @@ def plan(
     head_dim_v: int,
     itemsize: int,
     block_sizes: BlockSizes | None = None,
+    segmented: bool = False,
 ) -> Plan:
     """Resolves block sizes for one call and checks they fit in VMEM.
+
+    segmented: the call has segment ids or per-row positions (varlen), whose
+    masked pairs hold whole-block temporaries (dkdv_tile_rows).
 
     Table entries shrink block_kv (then block_q) until they fit; explicit
     `block_sizes` that do not fit raise ValueError with the need and budget.
@@ -433,7 +464,7 @@ def plan(
             group=group,
             max_rows=bs.max_rows,
         )
-        p = Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows)
+        p = Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows, segmented=segmented)
         needs = p.vmem_needs(group, head_dim, head_dim_v, itemsize)
         budget = VMEM_BUDGET_BYTES[generation]
         over = [(k, n) for k, n in needs if n > budget]
