@@ -196,7 +196,7 @@ def test_other_programs_compile(point, pool):
     # The tightest fused dK/dV plans: dQ and delta in the kernel at the
     # longest lengths the chunk-sized temporaries let in (test_flash_attention.py,
     # test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem).
-    [("tpu7x", 128, 16384), ("tpu7x", 256, 8192), ("v6e", 128, 32768)],
+    [("tpu7x", 128, 16384), ("tpu7x", 256, 8192), ("v6e", 256, 16384)],
 )
 def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch, gen, d, t):
     # Compile with the VMEM limit set to tiling's own estimate: if the estimate

@@ -52,8 +52,15 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   us, 2k 234.5 -> 171.7 (512-position q blocks, 1024-key blocks, 1024-row
   slabs; d=192 8k 1,961 -> 1,812), and 1024-row slabs on v6e at d=256 (8k
   2,132 -> 2,094, 2k 198.5 -> 193.0; d=192 stays at 512: 2,088 vs 2,136).
-* Backward blocks are smaller: the dK/dV kernel keeps four rows x block_kv
-  f32 temporaries live (s, p, dp, ds).
+* Backward blocks are smaller: the dK/dV kernel keeps four chunk x block_kv
+  f32 temporaries live (s, p, dp, ds; dkdv_tile_rows). At head_dim > 128,
+  v6e takes the same 512-position, 1024-key backward blocks as at 128 at
+  every length, since its VMEM estimate counts a chunk's temporaries, not
+  the block's (dK/dV with dQ fused, T = 8k causal, 32/8 heads, against
+  256 x 512: d=256 5,014 -> 3,790 us, d=192 4,876 -> 3,552; d=256 at 2k
+  441 -> 360, 4k 1,420 -> 1,102, 16k 18,738 -> 13,987); tpu7x's 48 MiB
+  holds a 512-position d=256 block only without dQ, which scheduled slower
+  (8k: dK/dV 2,750 + dQ 2,251 against 4,284 fused).
 
 VMEM budgets are the scoped limits the kernels request: the project's one
 policy, torch_bindings/tpu_info.py (3/4 of a TensorCore's VMEM: v5e/v6e 96 of
@@ -152,11 +159,11 @@ BLOCK_TABLE = {
     ("v5e", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
     ("v6e", "prefill", 128): _b(1024, 1024, 512, 512, slab=1024, fwd_rows=4096),
-    ("v6e", "prefill", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
-    ("v6e", "prefill", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("v6e", "prefill", 192): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
+    ("v6e", "prefill", 256): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
     ("v6e", "long", 128): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
-    ("v6e", "long", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
-    ("v6e", "long", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("v6e", "long", 192): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
+    ("v6e", "long", 256): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
