@@ -597,6 +597,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "bench: a schedule cut off at the bundle limit reported as the launch's time",
     ),
     Mutant(
+        "fa-fwd-full-pair-stale-vt",
+        FA,
+        """        st = chunk_scores(*at(0, 0), bufs[0])
+        transpose_v()
+""",
+        """        st = chunk_scores(*at(0, 0), bufs[0])
+""",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward: a fully visible pair reads the V^T of the step before (its own transpose dropped)",
+    ),
+    Mutant(
         "fa-tile-rows-segmented",
         FA_TILING,
         "sub = bsched.sub_tiles(geom, sub_block, eligible=not segmented)",

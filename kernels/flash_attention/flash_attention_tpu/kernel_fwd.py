@@ -392,11 +392,16 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(_flag(flags, bsched.COMPUTE))
-    def _transpose_v():
+    def transpose_v():
         vt_ref[0:dv, :] = jnp.transpose(v_ref[...])
         ones = lax.broadcasted_iota(jnp.int32, (ONES_ROWS, vt_ref.shape[1]), 0) == 0
         vt_ref[dv:, :] = ones.astype(vt_ref.dtype)
+
+    # A fully visible pair transposes V inside its pipeline (full_pair), where
+    # the scheduler overlaps the transposes with its first chunk's QK matmul.
+    @pl.when(jnp.logical_and(_flag(flags, bsched.COMPUTE), _flag(flags, bsched.MASK)))
+    def _transpose_v():
+        transpose_v()
 
     def scores(a, k0, ck):
         q = _rows(q_ref, a * unit, unit).reshape(gb * unit, prm.head_dim)
@@ -507,6 +512,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
         trips = (n - 1) // depth
         st = chunk_scores(*at(0, 0), bufs[0])
+        transpose_v()
         if unit % (32 // q_ref.dtype.itemsize):  # units not whole packed sublane tiles
             for k in range(trips):  # static row offsets
                 st = body(k, st)
