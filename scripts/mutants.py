@@ -575,8 +575,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-masked-unit-bounds",
         FA,
-        "_visible_chunks(prm, i, j, a, functools.partial(masked_range, a))",
-        "_visible_chunks(prm, i, j, 0, functools.partial(masked_range, a))",
+        "            j,\n            a,\n            geom=g,\n            sub=(unit, ck),",
+        "            j,\n            0,\n            geom=g,\n            sub=(unit, ck),",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward masked pipeline: every unit takes the first unit's key ranges",
     ),
@@ -606,6 +606,22 @@ MUTANTS: tuple[Mutant, ...] = (
 """,
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward: a fully visible pair reads the V^T of the step before (its own transpose dropped)",
+    ),
+    Mutant(
+        "fa-fwd-range-prefetch-keys",
+        FA,
+        "nxt = chunk_scores(a, 0, bufs[0], keys(c + 1))",
+        "nxt = chunk_scores(a, 0, bufs[0], keys(c))",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward masked pair: the next range's first chunk scored against this range's keys",
+    ),
+    Mutant(
+        "fa-fwd-range-peel",
+        FA,
+        "st = lax.fori_loop(c_lo, c_hi - 1, lambda c, st: chunks(c, st, False), st)",
+        "st = lax.fori_loop(c_lo + 1, c_hi - 1, lambda c, st: chunks(c, st, False), st)",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward masked pair: a unit's first visible key range skipped",
     ),
     Mutant(
         "fa-tile-rows-segmented",

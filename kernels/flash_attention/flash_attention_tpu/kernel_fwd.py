@@ -537,9 +537,52 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             chunk_update(a, r * lc, (s0_ref, s1_ref)[r % 2], *st, keys)
             st = nxt
 
+    def unit_ranges(a):
+        """Runs unit a's visible key ranges as one pipeline over (range,
+        chunk): the next range's first scores are computed while this
+        range's last chunk updates, so the pipeline fills and drains once a
+        unit, not once a range (v6e 4k d=128 forward: 454.5 -> 437.8 us).
+        The last range is peeled: nothing follows it."""
+        ck = prm.sub[1]
+        c_lo, c_hi = bsched.chunk_bounds(
+            i,
+            j,
+            a,
+            geom=g,
+            sub=(unit, ck),
+            q_offset=prm.q_offset,
+            left=prm.left,
+            right=prm.right,
+            xp=jnp,
+        )
+        bufs = (s0_ref, s1_ref)
+
+        def keys(c):
+            return (pl.multiple_of(c * ck, ck), ck)
+
+        def chunks(c, st, last):
+            for r in range(per):
+                nxt = None
+                if r + 1 < per:
+                    nxt = chunk_scores(a, (r + 1) * lc, bufs[(r + 1) % 2], keys(c))
+                elif not last:
+                    nxt = chunk_scores(a, 0, bufs[0], keys(c + 1))
+                chunk_update(a, r * lc, bufs[r % 2], *st, keys(c))
+                st = nxt
+            return st
+
+        @pl.when(c_hi > c_lo)
+        def _():
+            st = chunk_scores(a, 0, bufs[0], keys(c_lo))
+            st = lax.fori_loop(c_lo, c_hi - 1, lambda c, st: chunks(c, st, False), st)
+            chunks(c_hi - 1, st, True)
+
     def masked_pair():
         for a in range(units):
-            _visible_chunks(prm, i, j, a, functools.partial(masked_range, a))
+            if per % 2 == 0:  # chunk r of every range in buffer r % 2
+                unit_ranges(a)
+            else:
+                _visible_chunks(prm, i, j, a, functools.partial(masked_range, a))
 
     pipelined = per > 1 and prm.sub is not None and prm.sub[0] == unit
     _unit_pairs(prm, i, j, flags, tile, full_pair, masked_pair if pipelined else None)
