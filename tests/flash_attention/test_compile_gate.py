@@ -192,13 +192,15 @@ def test_other_programs_compile(point, pool):
 
 
 @pytest.mark.parametrize(
-    "gen, d, t",
-    # The tightest fused dK/dV plans: dQ and delta in the kernel at the
-    # longest lengths the chunk-sized temporaries let in (test_flash_attention.py,
-    # test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem).
-    [("tpu7x", 128, 16384), ("tpu7x", 256, 8192), ("v6e", 256, 16384)],
+    "gen, d, t, forward_too",
+    # The tightest fused dK/dV plans no gate point compiles: dQ and delta in
+    # the kernel at the longest lengths the chunk-sized temporaries let in
+    # (test_flash_attention.py, test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem).
+    # tpu7x 8k d=256 (47.8 of 48 MiB) is left to its gate points, compiled
+    # at the budget; the forward's estimate is checked once.
+    [("tpu7x", 128, 16384, True), ("v6e", 256, 16384, False)],
 )
-def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch, gen, d, t):
+def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch, gen, d, t, forward_too):
     # Compile with the VMEM limit set to tiling's own estimate: if the estimate
     # undercounts what Mosaic allocates, this fails (the table would then
     # claim configs fit that do not).
@@ -212,9 +214,9 @@ def test_vmem_estimate_is_a_limit_mosaic_accepts(monkeypatch, gen, d, t):
     needs = dict(plan.vmem_needs(group, d, d, 2))
     fwd_need, need = needs["forward"], max(needs.values())
     args = [spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d))]
-    # The forward alone at its own estimate (the backward kernels need more).
-    monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, fwd_need)
-    assert_compiles(_fn(gen, "causal", "fwd"), args, gen)
+    if forward_too:  # the forward alone at its own estimate (the backward kernels need more)
+        monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, fwd_need)
+        assert_compiles(_fn(gen, "causal", "fwd"), args, gen)
     monkeypatch.setitem(tiling.VMEM_BUDGET_BYTES, gen, need)
     assert (
         tiling.plan(
