@@ -575,8 +575,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-masked-unit-bounds",
         FA,
-        "            j,\n            a,\n            geom=g,\n            sub=(unit, ck),",
-        "            j,\n            0,\n            geom=g,\n            sub=(unit, ck),",
+        "c_lo, c_hi = _chunk_range(prm, i, j, a)  # pipelined",
+        "c_lo, c_hi = _chunk_range(prm, i, j, 0)  # pipelined",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward masked pipeline: every unit takes the first unit's key ranges",
     ),

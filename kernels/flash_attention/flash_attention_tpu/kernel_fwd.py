@@ -240,21 +240,27 @@ def _keys(ref, k0, ck):
     return ref[...] if ck == ref.shape[0] else ref[pl.ds(k0, ck), :]
 
 
-def _visible_chunks(prm, i, j, a, run, rows=None):
-    """Calls run(k0) for each key sub-tile of pair (i, j) that row chunk a
-    (of prm.sub's rows, or of `rows`) can see."""
-    ck = prm.sub[1]
-    c_lo, c_hi = bsched.chunk_bounds(
+def _chunk_range(prm, i, j, a, rows=None):
+    """[c_lo, c_hi): the key sub-tiles (of prm.sub's keys) of pair (i, j) that
+    row chunk a (of prm.sub's rows, or of `rows`) can see."""
+    return bsched.chunk_bounds(
         i,
         j,
         a,
         geom=prm.geom,
-        sub=(rows or prm.sub[0], ck),
+        sub=(rows or prm.sub[0], prm.sub[1]),
         q_offset=prm.q_offset,
         left=prm.left,
         right=prm.right,
         xp=jnp,
     )
+
+
+def _visible_chunks(prm, i, j, a, run, rows=None):
+    """Calls run(k0) for each key sub-tile of pair (i, j) that row chunk a
+    (of prm.sub's rows, or of `rows`) can see."""
+    ck = prm.sub[1]
+    c_lo, c_hi = _chunk_range(prm, i, j, a, rows)
 
     def body(c, carry):
         run(pl.multiple_of(c * ck, ck))
@@ -544,17 +550,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         unit, not once a range (v6e 4k d=128 forward: 454.5 -> 437.8 us).
         The last range is peeled: nothing follows it."""
         ck = prm.sub[1]
-        c_lo, c_hi = bsched.chunk_bounds(
-            i,
-            j,
-            a,
-            geom=g,
-            sub=(unit, ck),
-            q_offset=prm.q_offset,
-            left=prm.left,
-            right=prm.right,
-            xp=jnp,
-        )
+        c_lo, c_hi = _chunk_range(prm, i, j, a)  # pipelined: prm.sub's rows are a unit
         bufs = (s0_ref, s1_ref)
 
         def keys(c):

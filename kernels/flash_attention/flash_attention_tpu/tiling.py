@@ -321,8 +321,7 @@ def dkdv_tile_rows(geom: Geometry, sub_block: int, segmented: bool) -> int:
     fused dQ out of tpu7x's 48 MiB at 16k (24 MiB of temporaries at
     2048 x 512 where a chunk's are 6).
     """
-    heads = 1 if geom.seq_major else geom.rows // geom.block_pos
-    lanes = fwd_chunk_lanes(heads, geom.block_pos)
+    lanes = fwd_chunk_lanes(geom.rows // geom.block_pos, geom.block_pos)  # decode layout: 1 head
     sub = bsched.sub_tiles(geom, sub_block, eligible=not segmented)
     return lanes if sub is not None and geom.rows > lanes else geom.rows
 
