@@ -1282,6 +1282,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "rmsnorm ring backward: residual-stream grad ds not added",
     ),
     Mutant(
+        "rms-ring-lane-tiles-short",
+        RMS,
+        "    for t in range(1, x.shape[-1] // 128):",
+        "    for t in range(1, x.shape[-1] // 128 - 1):",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: the row sums miss a column's last lane tile",
+    ),
+    Mutant(
         "rms-ring-bwd-eps",
         RMS,
         "rstd = jax.lax.rsqrt(jnp.sum(sq, axis=-1, keepdims=True) / hidden + eps)",
