@@ -1260,8 +1260,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rms-ring-dw-overlap",
         RMS,
-        "return row >= b * block_rows",
-        "return row >= 0",
+        "    shared = blocks * block_rows - rows\n",
+        "    shared = 0\n",
         (f"{T_RMS}::test_ring_backward_matches_reference",),
         "rmsnorm ring backward: rows the last block shares are counted twice in dweight",
     ),
@@ -1288,6 +1288,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    for t in range(1, x.shape[-1] // 128 - 1):",
         (f"{T_RMS}::test_ring_backward_matches_reference",),
         "rmsnorm ring backward: the row sums miss a column's last lane tile",
+    ),
+    Mutant(
+        "rms-ring-dw-unscaled",
+        RMS,
+        "acc_ref[:, cs] += _sublane_sums(t * x)",
+        "acc_ref[:, cs] += _sublane_sums(dy * x)",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: the weight gradient's rows miss rstd",
+    ),
+    Mutant(
+        "rms-ring-uncount-mask",
+        RMS,
+        "jnp.where(row < shared, contrib, 0.0)",
+        "jnp.where(row <= shared, contrib, 0.0)",
+        (f"{T_RMS}::test_ring_backward_matches_reference",),
+        "rmsnorm ring backward: one row past the shared ones is taken out of dweight",
     ),
     Mutant(
         "rms-ring-bwd-eps",
