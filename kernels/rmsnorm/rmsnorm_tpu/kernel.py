@@ -138,15 +138,16 @@ def _copy_ring(ins, outs, ibufs, obufs, isem, osem, *, rows, block_rows, body):
     lax.fori_loop(0, blocks, block, 0)
 
 
-def _ring_chunks(block_rows, chunk):
-    """Runs chunk(rows slice) over a ring block, RING_CHUNK_ROWS rows at a time."""
+def _ring_chunks(block_rows, chunk, rows=None):
+    """Runs chunk(rows slice) over a ring block, RING_CHUNK_ROWS rows at a
+    time; rows: only the chunks that cover the block's first `rows` rows."""
     cr = math.gcd(block_rows, tiling.RING_CHUNK_ROWS)
 
     def run(c, carry):
         chunk(pl.ds(pl.multiple_of(c * cr, cr), cr))
         return carry
 
-    lax.fori_loop(0, block_rows // cr, run, 0)
+    lax.fori_loop(0, -(-(rows or block_rows) // cr), run, 0)
 
 
 def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
@@ -211,10 +212,14 @@ def _bwd_ring_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
                 cs = col(c)
                 dy = ibufs[0][slot, rs, cs].astype(jnp.float32)
                 x = ibufs[-1][slot, rs, cs].astype(jnp.float32)
-                return cs, x, dy, dy * _effective_weight(w_ref.at[:, cs], gemma)
+                return cs, x, dy
+
+            def weight(cs):
+                return _effective_weight(w_ref.at[:, cs], gemma)
 
             def sums(c, carry):
-                _, x, _, g = load(c)
+                cs, x, dy = load(c)
+                g = dy * weight(cs)
                 return carry[0] + _lane_tiles(x * x), carry[1] + _lane_tiles(g * x)
 
             zero = jnp.zeros((rs.size, min(cw, 128)), jnp.float32)
@@ -227,11 +232,9 @@ def _bwd_ring_kernel(*refs, eps, gemma, has_ds, rows, block_rows):
                 # dx = (rstd dy) w - k x and the weight gradient's rows
                 # (rstd dy) x share a product (tpu7x H 8192: 1,224 -> 1,096
                 # VALU ops a chunk, 167.1 -> 157.7 us)
-                cs = col(c)
-                dy = ibufs[0][slot, rs, cs].astype(jnp.float32)
-                x = ibufs[-1][slot, rs, cs].astype(jnp.float32)
+                cs, x, dy = load(c)
                 t = rstd * dy
-                dx = t * _effective_weight(w_ref.at[:, cs], gemma) - k * x
+                dx = t * weight(cs) - k * x
                 if has_ds:
                     dx = dx + ibufs[1][slot, rs, cs].astype(jnp.float32)
                 dx_bufs[oslot, rs, cs] = dx.astype(dx_bufs.dtype)
@@ -257,18 +260,15 @@ def _uncount_shared_rows(ibufs, acc_ref, w, eps, *, rows, block_rows):
     if not shared:
         return
     slot = (blocks - 1) % tiling.RING_IN_SLOTS
-    cr = math.gcd(block_rows, tiling.RING_CHUNK_ROWS)
 
-    def chunk(c, carry):
-        rs = pl.ds(pl.multiple_of(c * cr, cr), cr)
+    def chunk(rs):
         dy = ibufs[0][slot, rs, :].astype(jnp.float32)
         x = ibufs[-1][slot, rs, :].astype(jnp.float32)
         _, contrib = _bwd_rows(x, dy, None, w, eps)
-        row = c * cr + lax.broadcasted_iota(jnp.int32, (cr, 1), 0)
+        row = rs.start + lax.broadcasted_iota(jnp.int32, (rs.size, 1), 0)
         acc_ref[...] -= _sublane_sums(jnp.where(row < shared, contrib, 0.0))
-        return carry
 
-    lax.fori_loop(0, -(-shared // cr), chunk, 0)
+    _ring_chunks(block_rows, chunk, rows=shared)
 
 
 # Rows the backward computes at a time: a block's f32 temporaries would not
@@ -281,8 +281,8 @@ BWD_CHUNK_ROWS = 16
 def _lane_tiles(x):
     """[rows, n] -> [rows, 128]: the sum of x's 128-lane tiles, whole-vreg
     adds into one accumulator tile a row group. Accumulating whole [rows, n]
-    columns kept 2n/128 more vregs live, which spilled (tpu7x bwd, H = 2048:
-    151 -> 134 bundles a 16-row chunk). One chain, not a tree: the tree
+    columns kept n/128 times the vregs live, which spilled (tpu7x bwd,
+    H = 2048: 151 -> 134 bundles a 16-row chunk). One chain, not a tree: the tree
     scheduled slower (153 bundles)."""
     out = x[..., :128]
     for t in range(1, x.shape[-1] // 128):
