@@ -533,49 +533,52 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     # unit can see, the same pipeline over the unit's lane chunks, masked.
     # Sub-tiles of (G x 256 rows) x 256 keys held a spilled f32 score tile
     # (v6e 8k causal d=128: 1,071 cycles each for 400 of MXU work).
-    def masked_range(a, k0):
-        keys = (k0, prm.sub[1])
-        st = chunk_scores(a, 0, s0_ref, keys)
+    def range_chunks(a, keys, st, next_keys=None):
+        """chunk_update over unit a's lane chunks against one key range,
+        chunk r in buffer r % 2, each chunk's successor scored before it
+        updates; st: the first chunk's scores. next_keys: the next range,
+        whose first chunk is scored while this range's last updates (its
+        scores returned)."""
+        bufs = (s0_ref, s1_ref)
         for r in range(per):
             nxt = None
             if r + 1 < per:
-                nxt = chunk_scores(a, (r + 1) * lc, (s0_ref, s1_ref)[(r + 1) % 2], keys)
-            chunk_update(a, r * lc, (s0_ref, s1_ref)[r % 2], *st, keys)
+                nxt = chunk_scores(a, (r + 1) * lc, bufs[(r + 1) % 2], keys)
+            elif next_keys is not None:
+                nxt = chunk_scores(a, 0, bufs[0], next_keys)
+            chunk_update(a, r * lc, bufs[r % 2], *st, keys)
             st = nxt
+        return st
+
+    def masked_range(a, k0):
+        keys = (k0, prm.sub[1])
+        range_chunks(a, keys, chunk_scores(a, 0, s0_ref, keys))
 
     def unit_ranges(a):
         """Runs unit a's visible key ranges as one pipeline over (range,
         chunk): the next range's first scores are computed while this
         range's last chunk updates, so the pipeline fills and drains once a
         unit, not once a range (v6e 4k d=128 forward: 454.5 -> 437.8 us).
-        The last range is peeled: nothing follows it."""
+        The last range is peeled: nothing follows it. Needs an even count
+        of chunks a unit: chunk 0 of every range goes in buffer 0."""
         ck = prm.sub[1]
         c_lo, c_hi = _chunk_range(prm, i, j, a)  # pipelined: prm.sub's rows are a unit
-        bufs = (s0_ref, s1_ref)
 
         def keys(c):
             return (pl.multiple_of(c * ck, ck), ck)
 
-        def chunks(c, st, last):
-            for r in range(per):
-                nxt = None
-                if r + 1 < per:
-                    nxt = chunk_scores(a, (r + 1) * lc, bufs[(r + 1) % 2], keys(c))
-                elif not last:
-                    nxt = chunk_scores(a, 0, bufs[0], keys(c + 1))
-                chunk_update(a, r * lc, bufs[r % 2], *st, keys(c))
-                st = nxt
-            return st
+        def body(c, st):
+            return range_chunks(a, keys(c), st, keys(c + 1))
 
         @pl.when(c_hi > c_lo)
         def _():
-            st = chunk_scores(a, 0, bufs[0], keys(c_lo))
-            st = lax.fori_loop(c_lo, c_hi - 1, lambda c, st: chunks(c, st, False), st)
-            chunks(c_hi - 1, st, True)
+            st = chunk_scores(a, 0, s0_ref, keys(c_lo))
+            st = lax.fori_loop(c_lo, c_hi - 1, body, st)
+            range_chunks(a, keys(c_hi - 1), st)
 
     def masked_pair():
         for a in range(units):
-            if per % 2 == 0:  # chunk r of every range in buffer r % 2
+            if per % 2 == 0:
                 unit_ranges(a)
             else:
                 _visible_chunks(prm, i, j, a, functools.partial(masked_range, a))
