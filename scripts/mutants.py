@@ -616,6 +616,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "forward masked pair: the next range's first chunk scored against this range's keys",
     ),
     Mutant(
+        "fa-fwd-odd-range-first-chunk",
+        FA,
+        "range_chunks(a, keys, chunk_scores(a, 0, s0_ref, keys))",
+        "range_chunks(a, keys, chunk_scores(a, lc, s0_ref, keys))",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward masked pair, odd chunks a unit: each range's first chunk scored from the second's rows",
+    ),
+    Mutant(
         "fa-fwd-range-peel",
         FA,
         "st = lax.fori_loop(c_lo, c_hi - 1, body, st)",

@@ -408,7 +408,9 @@ def test_backward_chunk_layouts_match_reference(layout, fuse):
 # first key range; sq < skv puts the diagonal off the block grid; all have
 # ragged tails. With 256-key ranges (the tables' size) and 512-position dK/dV
 # blocks, the block's later rows see a key range its first sub-tile rows do
-# not (the forward's unit there is one lane chunk: sub-tiles).
+# not (the forward's unit there is one lane chunk: sub-tiles). Three heads:
+# an odd count of chunks a unit and a block, which run one pipeline per key
+# range (the forward's masked_range, the dK/dV kernel's).
 MASKED_PIPELINES = {
     "heads-in-a-chunk-window": ((8, 256, 256, 128, (200, 0), 552, 552), (512, 2, 512, 2)),
     "a-head-a-chunk-offset": ((2, 512, 1024, 512, (-1, 0), 1064, 2088), (512, 2, 512, 2)),
@@ -416,6 +418,7 @@ MASKED_PIPELINES = {
         (2, 512, 1024, 256, (-1, 0), 1064, 2088),
         (512, 1, 512, 2),
     ),
+    "three-heads-odd-chunks": ((3, 512, 512, 256, (-1, 0), 1064, 1064), (256, 3, 512, 3)),
 }
 
 
