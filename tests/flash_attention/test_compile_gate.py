@@ -6,7 +6,7 @@ residuals) plus the dK/dV and dQ kernels; a "fwd" point is the inference path.
 
 The whole matrix runs in CI: generation x head_dim x {1k, 8k, 32k} x
 {causal, windowed} x {fwd, bwd}, plus decode fwd/bwd and 8k causal bwd at
-head_dim 40 and 224 (132 points). The
+head_dim 40 and 224, v5e at head_dim 128 only (102 points). The
 prefill points of one generation, head_dim and mask get the same blocks, so
 the 32k bwd program holds every launch of the others at other sequence
 lengths (and the fwd launch is the one its bwd makes): they are checked as
@@ -45,11 +45,15 @@ POINTS = [
     # Head dims off the 64/128/256 grid (any multiple of 8 is accepted).
     *itertools.product(GENERATIONS, (40, 224), (8192,), ("causal",), ("bwd",)),
 ]
+# v5e at head_dim 128 only: no performance goal is held on v5e, and its other
+# head dims were 1.1 of the gate's 27 CPU-minutes (2026-12-05, in a suite that
+# took 37 minutes). Its interpret-mode numerics are the same as every generation's.
+POINTS = [p for p in POINTS if p[0] != "v5e" or p[1] == 128]
 # COMPILE_GATE=subset (local runs only; CI runs the whole matrix): the former CI
 # subset, every generation and head_dim, causal and windowed, 32k and decode.
 SUBSET = [
-    ("v5e", 64, 1024, "causal"),
-    ("v5e", 256, 8192, "window"),
+    ("v5e", 128, 1024, "causal"),
+    ("v5e", 128, 8192, "window"),
     ("v5e", 128, DECODE, "causal"),
     ("v6e", 128, 32768, "causal"),
     ("v6e", 64, 8192, "window"),
