@@ -89,6 +89,22 @@ def test_hf_experts_forward_in_transformers_layout():
     _close(out_t, moe_reference(x, wgu, wd, ids, w))
 
 
+@pytest.mark.parametrize(
+    "shape,stored",
+    [(TINY_I, [(4, 768, 256), (4, 256, 384)]), (TINY_T, [(4, 256, 256), (4, 128, 256)])],
+    ids=["out-in", "in-out"],
+)
+def test_ours_gets_the_weights_as_the_model_stores_them(shape, stored):
+    """What experts_forward hands the kernels: [E, out, in] for Qwen3, Mixtral
+    and Gemma 4, [E, in, out] for GPT-OSS (on tpu7x the first is slower at
+    prefill: timing the other would flatter ours)."""
+    point = moe.MoePoint(shape, 8, "uniform")
+    built, out = _run("ours_moe_experts", point)
+    args = registry.program_args(built, point.compile_args())
+    assert [a.shape for a in args[1:3]] == stored
+    _close(out, moe_reference(*point.real_args()))
+
+
 def test_hf_grouped_mm_has_transformers_parameter_layout():
     """The weights enter the program as transformers' [E, out, in] arrays and
     are transposed once each (no transpose pair that XLA could cancel); the
