@@ -147,7 +147,7 @@ def _ring_chunks(block_rows, chunk, rows=None):
         chunk(pl.ds(pl.multiple_of(c * cr, cr), cr))
         return carry
 
-    lax.fori_loop(0, -(-(rows or block_rows) // cr), run, 0)
+    lax.fori_loop(0, -(-(block_rows if rows is None else rows) // cr), run, 0)
 
 
 def _fwd_ring_kernel(*refs, eps, gemma, has_residual, rows, block_rows):
