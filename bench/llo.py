@@ -44,31 +44,68 @@ GRANULE_BYTES = 32
 # v5e/v6e: always the next 4 (the compiler pads with empty bundles). tpu7x:
 # the rest of the branch's basic block: the bundles up to the next region start,
 # or to the first non-empty bundle outside the branch's loop depth (up to 8);
-# the empty padding there is not a slot. Both rules were chosen because they
-# are the ones under which the schedules of our kernels move exactly the bytes
-# their jaxprs say and branch only on known predicates
+# the empty padding there is not a slot; a forward branch's slots also end
+# before the first unpredicated DMA, wait or SMEM store (the skipped block's
+# own). The rules were chosen because they are the ones under which the
+# schedules of our kernels move exactly the bytes their jaxprs say, branch
+# only on known predicates and wait only for copies they started
 # (tests/bench/test_llo.py checks this on each generation).
 BRANCH_DELAY_SLOTS = 4
 DELAY_RULE = {"v5e": "fixed4", "v6e": "fixed4", "v5p": "fixed4", "tpu7x": "block"}
 
 
+# Ops whose effect the executor tracks and no delay slot can hold unpredicated
+# unless it is meant for both paths.
+_SCALAR_EFFECTS = ("dma.", "vsync", "sst", "sfence")
+
+
 def delay_slots(bundles: list[Bundle], rule: str) -> list[int]:
     """Delay slots of the branch in each bundle (0 where there is none)."""
     out = [0] * len(bundles)
+    region_at = _region_at(bundles)
     for i, bd in enumerate(bundles):
         if bd.branch is None:
             continue
         if rule == "fixed4":
             out[i] = BRANCH_DELAY_SLOTS
             continue
+        target = _branch_target(bd.branch, region_at)
+        forward = target is not None and target > i
         n = 0
         for j in range(i + 1, min(i + 9, len(bundles))):
             nxt = bundles[j]
             if nxt.starts or nxt.mark in ("LB", "PF") or (nxt.ops and nxt.depth < bd.depth):
                 break
+            # A forward branch's slots end before an unpredicated DMA, wait,
+            # semaphore or SMEM update: the compiler fills a slot only with
+            # what may run on both paths (pure scalar work, or ops predicated
+            # on the fall-through), so such an op is the skipped block's own.
+            # Counting it ran another row slot's semaphore wait on every
+            # kernel_combine step (a `pl.when` block per slot). Empty padding
+            # is no such sign: a pipelined grid loop's branch over its body
+            # is followed by three empty bundles and then the next step's
+            # prefetch DMA, which must run whichever way it goes.
+            if forward and any(
+                op.pred is None and op.name.startswith(_SCALAR_EFFECTS) for op in nxt.ops
+            ):
+                break
             n += 1
         out[i] = n
     return out
+
+
+def _region_at(bundles: list[Bundle]) -> dict:
+    """Region number -> index of the bundle where it starts."""
+    out: dict = {}
+    for i, bd in enumerate(bundles):
+        for r in bd.starts:
+            out.setdefault(r, i)
+    return out
+
+
+def _branch_target(op: Op, region_at: dict) -> int | None:
+    m = re.search(r"\$region(\d+)", op.text)
+    return region_at.get(int(m.group(1))) if m else None
 
 
 _MASK = (1 << 32) - 1
@@ -425,10 +462,7 @@ class _Machine:
         self.dma_bytes = 0
         self.unknown_branches = 0
         self.notes: set = set()
-        self.region_at = {}
-        for i, bd in enumerate(bundles):
-            for r in bd.starts:
-                self.region_at.setdefault(r, i)
+        self.region_at = _region_at(bundles)
 
     # -- values
     def val(self, opnd):
@@ -756,8 +790,7 @@ class _Machine:
                         self.unknown_branches += 1
                         ok = False
                     if ok:
-                        m = re.search(r"\$region(\d+)", op.text)
-                        branch_taken = self.region_at.get(int(m.group(1))) if m else None
+                        branch_taken = _branch_target(op, self.region_at)
                     continue
                 if ok is False:
                     if op.keep is not None and op.dst:
@@ -843,16 +876,12 @@ def _loop_stats(
     mx: list | None = None,
 ) -> list[LoopStat]:
     """mx: each bundle's matmul ops as (MXU, cycles) (`_mxu_ops`), or None."""
-    region_at = {}
-    for i, bd in enumerate(bundles):
-        for r in bd.starts:
-            region_at.setdefault(r, i)
+    region_at = _region_at(bundles)
     spans = []
     for i, bd in enumerate(bundles):
         if bd.branch is None:
             continue
-        m = re.search(r"\$region(\d+)", bd.branch.text)
-        t = region_at.get(int(m.group(1))) if m else None
+        t = _branch_target(bd.branch, region_at)
         if t is not None and t <= i:
             spans.append((t, min(i + delays[i], len(bundles) - 1)))
     spans = sorted(set(spans), key=lambda s: s[1] - s[0])

@@ -598,6 +598,29 @@ MUTANTS: tuple[Mutant, ...] = (
         " (tpu7x prefill 11% faster than what experts_forward gets)",
     ),
     Mutant(
+        "llo-forward-branch-runs-skipped-block",
+        "bench/llo.py",
+        "            if forward and any(",
+        "            if False and any(",
+        (
+            "tests/bench/test_llo.py::test_block_delay_rule_never_runs_a_skipped_blocks_wait_or_copy",
+        ),
+        "tpu7x: a forward branch's delay slots run the skipped block's wait"
+        " (another row slot's semaphore in the combine)",
+    ),
+    Mutant(
+        "llo-padding-ends-delay-slots",
+        "bench/llo.py",
+        "            if forward and any(",
+        "            if not nxt.ops and nxt.depth < bd.depth or forward and any(",
+        (
+            "tests/bench/test_llo.py::test_block_delay_rule_runs_a_predicated_copy_past_the_padding",
+            "tests/bench/test_llo.py::test_block_delay_rule_runs_a_loops_tail_past_the_padding",
+        ),
+        "tpu7x: empty padding ends a branch's delay slots (drops a pipelined loop's"
+        " prefetch and a loop body's last bundles)",
+    ),
+    Mutant(
         "bench-cut-off-as-figure",
         "bench/sweep.py",
         "if sch.stopped:",
@@ -1221,8 +1244,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "combine-ahead-slot",
         COMBINE,
-        "into = lax.rem(i + 2, SLOTS)",
-        "into = lax.rem(i + 1, SLOTS)",
+        "functools.partial(step, cur, (cur + 2) % SLOTS)",
+        "functools.partial(step, cur, (cur + 1) % SLOTS)",
         (f"{T_COMB}::test_combine_matches_f32_sum_of_the_same_rows",),
         "combine: the copies of the tile two ahead land in the next step's slot",
     ),

@@ -110,6 +110,81 @@ def test_block_delay_rule_stops_at_the_next_region():
     assert m.regs["s1"] == 6
 
 
+_OPERAND = (
+    "%s9_s9 = inlined_call_operand.hbm [shape: bf16[4096], index: 0, kind: input, shape index: {}]"
+)
+_COPY = (
+    "%{n} = dma.hbm_to_vmem [thread:$0] {pred} /*hbm=*/%s9_s9, /*size_in_granules=*/100, "
+    "/*vmem=*/[#allocation2], /*dst_syncflagno=*/[#allocation4]"
+)
+
+
+def _forward_branch_program(taken: bool, block: list[str]) -> str:
+    """A forward branch over `block` (one op a bundle) that follows one empty
+    padding bundle outside the branch's depth, tpu7x's shape of both a
+    `pl.when` block and a pipelined grid loop's branch over its body."""
+    lines = [
+        _bundle(0, _OPERAND, "", 1),
+        _bundle(1, f"%s1_s0 = smov.u32 {1 if taken else 0}", "", 1),
+        _bundle(2, "%p2_p0 = scmp.eq.s32.totalorder %s1_s0, 1", "", 1),
+        _bundle(3, "%3 = sbr.rel (%p2_p0) target = $region9", "", 1),
+        _bundle(4, ""),
+    ]
+    lines += [_bundle(5 + j, body, "", 1) for j, body in enumerate(block)]
+    lines.append(_bundle(5 + len(block), "%s5_s2 = smov.u32 6", "", 1, "Start region 9"))
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_block_delay_rule_never_runs_a_skipped_blocks_wait_or_copy(taken):
+    # kernel_combine's per-slot block starts with that slot's semaphore wait,
+    # unpredicated, right after the branch and one padding bundle: running it
+    # on the taken path waited on another slot every step (48 us of DMA
+    # stalls at 8,192 Qwen3 tokens that the kernel does not have).
+    block = ["%s4_s1 = smov.u32 5", _COPY.format(n=7, pred="")]
+    text = _forward_branch_program(taken, block)
+    m = llo._Machine(llo.parse(text), {}, HBM, 100, "block")
+    r = m.run()
+    assert r.unknown_branches == 0
+    assert r.dmas == (0 if taken else 1)
+    assert m.regs["s2"] == 6
+
+
+def test_block_delay_rule_runs_a_predicated_copy_past_the_padding():
+    # A pipelined grid loop on tpu7x: the branch that skips the body at the
+    # prologue step is followed by empty padding and then the next step's
+    # prefetch (predicated on its own condition), which runs on both paths:
+    # otherwise the body's wait for it finds no copy.
+    block = ["%s4_s1 = smov.u32 5", _COPY.format(n=7, pred="(%p2_p0),")]
+    m = llo._Machine(llo.parse(_forward_branch_program(True, block)), {}, HBM, 100, "block")
+    r = m.run()
+    assert r.unknown_branches == 0
+    assert r.dmas == 1
+    assert m.regs["s1"] == 5
+
+
+@pytest.mark.parametrize("trips", [1, 4])
+def test_block_delay_rule_runs_a_loops_tail_past_the_padding(trips):
+    # A loop's back-edge on tpu7x: the body's last op sits after an empty
+    # padding bundle, in the branch's delay slots, and runs on every pass
+    # (gmm's inner loops have this shape; stopping at the padding dropped
+    # their stores and made gate/up 4x faster than its MXU work).
+    lines = [
+        _bundle(0, "%s1_s0 = smov.u32 0  ;;  %s2_s1 = smov.u32 0"),
+        _bundle(1, "%s3_s0 = sadd.s32 1, %s1_s0", "LB", 1, "Start region 5"),
+        _bundle(2, f"%p4_p0 = scmp.ge.s32.totalorder %s3_s0, {trips}", "", 1),
+        _bundle(3, "%5 = sbr.rel (!%p4_p0) target = $region5", "", 1),
+        _bundle(4, ""),
+        _bundle(5, "%s6_s1 = sadd.s32 1, %s2_s1", "", 1),
+        _bundle(6, "%s7_s2 = smov.u32 9"),
+    ]
+    m = llo._Machine(llo.parse("\n".join(lines)), {}, HBM, 100, "block")
+    r = m.run()
+    assert r.unknown_branches == 0
+    assert m.regs["s1"] == trips
+    assert m.regs["s0"] == trips
+
+
 def test_dmas_share_one_pipe():
     lines = [
         _bundle(
@@ -202,6 +277,35 @@ def test_gmm_schedule_moves_what_the_walk_counts(generation):
     assert abs(s.dma_bytes - cost.hbm_bytes) <= 0.01 * cost.hbm_bytes
     assert s.seconds > 0
     assert s.cycles >= s.bundles
+
+
+def test_tpu7x_combine_waits_only_for_copies_it_started():
+    """The combine on tpu7x: a `pl.when` block per row slot, each starting
+    with its slot's semaphore wait, inside a pipelined grid loop whose
+    prologue step skips the body but must still issue the next step's
+    prefetch. Under the delay-slot rule every wait finds the copies it waits
+    for (a block's first wait run on the taken path, or a prefetch dropped
+    there, leaves one without), and the run moves the bytes the jaxpr walk
+    counts."""
+    from ragged_dot_tpu import pairs
+    from ragged_dot_tpu.kernel_combine import combine
+
+    _require_dumps()
+    hidden, tokens, k = 2048, 96, 8
+    # 32,768 rows (128 MB), so the compiler leaves them in HBM.
+    rows = jax.ShapeDtypeStruct((32768 * pairs.row_words(hidden), 128), jnp.uint32)
+    rng = np.random.default_rng(0)
+    slots = jnp.asarray(rng.choice(32768, (tokens, k), replace=False), jnp.int32)
+    weights = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+    (launch,) = tracing.trace_launches(
+        lambda r, s, w: combine(r, s, w, hidden=hidden), rows, slots, weights
+    )
+    s = schedule.schedule_launch(launch, "tpu7x")
+    assert s.unknown_branches == 0, s.notes
+    assert not any("no started DMA" in n for n in s.notes), s.notes
+    cost = grid_walk.walk_launch(launch)
+    assert s.dmas >= tokens * k
+    assert abs(s.dma_bytes - cost.hbm_bytes) <= 0.01 * cost.hbm_bytes
 
 
 @pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
