@@ -566,6 +566,22 @@ def test_shape_that_cannot_fit_vmem_names_need_and_budget():
         tiling.gmm_config(8, 128, 128, 8, jnp.bfloat16, generation="v9")
 
 
+def test_tpu7x_takes_wider_row_tiles_only_where_the_mxus_bind():
+    """Qwen3's gate/up (GLU epilogue) and down gmm: 2048-row tiles on tpu7x
+    once the 128 experts average a full 256-row MXU pass (4,096 tokens x
+    top-8), which halves the tile boundaries that split a group into extra
+    tail passes; 1024 below, where the weight stream binds, and on v6e."""
+    for k, n, glu in ((2048, 768, True), (768, 2048, False)):
+        for tokens, gen, want in (
+            (2048, "tpu7x", 1024),
+            (4096, "tpu7x", 2048),
+            (8192, "tpu7x", 2048),
+            (8192, "v6e", 1024),
+        ):
+            cfg = tiling.gmm_config(tokens * 8, k, n, 128, jnp.bfloat16, generation=gen, glu=glu)
+            assert cfg.block_m == want, (k, n, tokens, gen, cfg)
+
+
 def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
     """GPT-OSS prefill: K = N = 2880 full-extent blocks exceed VMEM, so tgmm pads
     K and N to the 128-lane tile and slices the result; the numbers must not change."""

@@ -475,7 +475,7 @@ def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, conf
     w, transpose_rhs, _ = _hbm_view(down, not is_transposed)
     k, n = (w.shape[2], w.shape[1]) if transpose_rhs else w.shape[1:]
     m = top_k_index.shape[0] * top_k_index.shape[1]
-    cfg = resolve_config(config, m, k, n, w.shape[0], hidden.dtype, w.dtype, out_dtype)
+    cfg = resolve_config(config, m, k, n, w.shape[0], hidden.dtype, w.dtype, out_dtype, packed=True)
     return n == h and cfg.block_n == n
 
 

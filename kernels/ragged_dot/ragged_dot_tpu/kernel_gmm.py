@@ -101,7 +101,7 @@ import numpy as np
 from . import moe, mxfp4, pairs, tiling, w8a8
 
 
-def resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False):
+def resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False, packed=False):
     if isinstance(config, tiling.GmmConfig):
         return config
     if config is None or isinstance(config, str):
@@ -115,6 +115,7 @@ def resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=Fals
             out_dtype=out_dtype,
             generation=config,
             glu=glu,
+            packed=packed,
         )
     raise ValueError(f"config: expected None, a generation name or a GmmConfig, got {config!r}")
 
@@ -816,7 +817,7 @@ def gmm(
             out = jnp.zeros((m, n_out), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
     cfg = resolve_config(
-        config, m, k, n_out, num_local, lhs.dtype, w_dtype, out_dtype, glu=glu is not None
+        config, m, k, n_out, num_local, lhs.dtype, w_dtype, out_dtype, glu is not None, packed
     )
     sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n_out, sub)
@@ -949,6 +950,7 @@ def gmm(
                     out_dtype,
                     buffers,
                     glu=glu is not None,
+                    packed=packed,
                 ),
             ),
         ),

@@ -124,9 +124,15 @@ class Generation:
     chunk_m: int
     hbm_bytes_per_s: float
     peak_flops: float
+    # gmm's largest row tile where the groups average a full MXU pass
+    # (chunk_m rows) or more, i.e. where the MXUs bind rather than the
+    # weight stream (0: prefill_block_m throughout).
+    mxu_bound_block_m: int = 0
 
 
-def _generation(name: str, decode_max_rows: int, prefill_block_m: int) -> Generation:
+def _generation(
+    name: str, decode_max_rows: int, prefill_block_m: int, mxu_bound_block_m: int = 0
+) -> Generation:
     """Table entry: hardware facts from tpu_info, block choices from here.
 
     chunk_m (the MXU pass height) is the MXU width.
@@ -142,6 +148,7 @@ def _generation(name: str, decode_max_rows: int, prefill_block_m: int) -> Genera
         f.mxu_width,
         f.hbm_bytes_per_s,
         f.bf16_flops_per_s,
+        mxu_bound_block_m,
     )
 
 
@@ -152,7 +159,14 @@ GENERATIONS = {
     # tile boundary splits an expert's rows into tail passes that push its
     # weights for few rows; Qwen3 at 8,192 tokens, uniform routing: gate/up
     # 611 -> 566 us, down 349 -> 318 (2048 rows: 549 for gate/up).
-    "tpu7x": _generation("tpu7x", 4096, 1024),
+    # 2048 where the groups average 256 rows or more (mxu_bound_block_m):
+    # Qwen3 with its [E, out, in] weights, gate/up 659.4 -> 628.2 us at
+    # 8,192 tokens and 391.7 -> 375.8 at 4,096, down 365.4 -> 346.8 and
+    # 218.0 -> 213.0. Below that the weight stream binds and a larger lhs
+    # block delays the weight copies queued behind it: 2,048 tokens
+    # (128 rows an expert), gate/up 299.6 -> 308.0. v6e, bound by its
+    # weight copies, gains nothing (8,192 tokens: 834.9 -> 837.5).
+    "tpu7x": _generation("tpu7x", 4096, 1024, mxu_bound_block_m=2048),
     "v5p": _generation("v5p", 4096, 512),
 }
 DEFAULT_GENERATION = tpu_info.DEFAULT_GENERATION
@@ -251,12 +265,14 @@ def _slab_candidates(n: int) -> list[int]:
     return cands
 
 
-def _m_candidates(m: int, sub: int, gen: Generation) -> list[int]:
+def _m_candidates(m: int, sub: int, gen: Generation, top: int = 0) -> list[int]:
+    """Row tiles to try: all rows in one tile at decode sizes, then
+    powers of two down from `top` (default: the generation's prefill tile)."""
     m_pad = round_up(max(m, 1), sub)
     cands = []
     if m_pad <= gen.decode_max_rows:
         cands.append(m_pad)
-    bm = gen.prefill_block_m
+    bm = top or gen.prefill_block_m
     while bm >= sub:
         if bm < m_pad:
             cands.append(bm)
@@ -405,14 +421,16 @@ def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int) -> bool:
 
 
 def gmm_vmem_bytes(
-    m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3, glu=False
+    m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3, glu=False, packed=False
 ) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
 
     Quantized weights add each piece widened to in_dtype and the scale slots
     (a [1, S] f32 row pads to 8 sublanes; S is at most max(k, bn)). With
     `glu`, n and bn count output columns: each slab holds a gate and an up
-    block, and each piece has two f32 products."""
+    block, and each piece has two f32 products. `packed`: the output block
+    holds pairs.pack_rows' rows, whole (8, 128) word tiles a row (Gemma 4's
+    2816 columns: 16 word rows for 11, 45% over bf16's bytes)."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     halves = 2 if glu else 1
     tiles = -(-m // bm)
@@ -421,7 +439,8 @@ def gmm_vmem_bytes(
     out_bufs = 1 if tiles * n_blocks == 1 else 2
     kp, np_ = _lane(k), _lane(bn)
     need = lhs_bufs * bm * kp * ib
-    need += out_bufs * bm * np_ * ob
+    out_row = pairs.row_words(bn) * pairs.GROUP // 2 * 4 if packed else np_ * ob
+    need += out_bufs * bm * out_row
     mx = mxfp4.is_mxfp4(w_dtype)
     if mx:  # [K/2, bn] byte slots and [S, bn] scale slots
         need += buffers * (round_up(k // 2, 32) + mxfp4.scale_rows(k)) * np_
@@ -470,10 +489,12 @@ def gmm_config(
     generation: str | None = None,
     w_dtype=None,
     glu: bool = False,
+    packed: bool = False,
 ) -> GmmConfig:
     """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`.
     With `glu`, n is the output's columns (rhs has 2n: gate and up halves)
-    and block_n a block of them: every slab carries gate and up blocks."""
+    and block_n a block of them: every slab carries gate and up blocks.
+    `packed`: the output is written as packed rows (gmm's packed=True)."""
     gen = get_generation(generation)
     dtype = jnp.dtype(dtype)
     w_dtype = jnp.dtype(w_dtype or dtype)
@@ -481,14 +502,15 @@ def gmm_config(
     sub = sublane(dtype, w_dtype, out_dtype)  # quantized weights do not count
     best = None
     smallest_need = None
-    for bm in _m_candidates(m, sub, gen):
+    mxu_bound = gen.mxu_bound_block_m and m >= gen.chunk_m * max(g, 1)
+    for bm in _m_candidates(m, sub, gen, gen.mxu_bound_block_m if mxu_bound else 0):
         chunk = _chunk(bm, gen, sub)
         for bn in _slab_candidates(n):
             # Fewer slots before smaller blocks: two still stream, one behind another.
             slab_n = 2 * bn if glu else bn
             for bufs in range(weight_buffers(k, slab_n, w_dtype, gen), 1, -1):
                 need = gmm_vmem_bytes(
-                    m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs, glu=glu
+                    m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs, glu, packed
                 )
                 if need <= gen.vmem_budget:
                     break
