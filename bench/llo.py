@@ -62,7 +62,7 @@ _SCALAR_EFFECTS = ("dma.", "vsync", "sst", "sfence")
 def delay_slots(bundles: list[Bundle], rule: str) -> list[int]:
     """Delay slots of the branch in each bundle (0 where there is none)."""
     out = [0] * len(bundles)
-    region_at = _region_at(bundles)
+    region_at = {} if rule == "fixed4" else _region_at(bundles)
     for i, bd in enumerate(bundles):
         if bd.branch is None:
             continue

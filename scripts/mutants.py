@@ -1244,8 +1244,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-wide-tiles-when-weight-bound",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
-        "    mxu_bound = gen.mxu_bound_block_m and m >= gen.chunk_m * max(g, 1)",
-        "    mxu_bound = gen.mxu_bound_block_m",
+        "    top = gen.mxu_bound_block_m if m >= gen.chunk_m * max(g, 1) else 0",
+        "    top = gen.mxu_bound_block_m",
         (
             "tests/ragged_dot/test_gmm.py::test_tpu7x_takes_wider_row_tiles_only_where_the_mxus_bind",
         ),

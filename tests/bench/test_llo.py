@@ -213,18 +213,11 @@ def test_constant_false_predicate_never_runs():
     # v6e keeps DMAs whose predicate the compiler folded to a constant: "(0)"
     # never runs, "(1)" always does (read as unpredicated, the fused MoE
     # kernel's schedule moved 22 MB more than its jaxpr).
-    dma = (
-        "%{n} = dma.hbm_to_vmem [thread:$0]  ({pred}), /*hbm=*/%s1_s0, "
-        "/*size_in_granules=*/100, /*vmem=*/[#allocation2], /*dst_syncflagno=*/[#allocation4]"
-    )
     lines = [
-        _bundle(
-            0,
-            "%s1_s0 = inlined_call_operand.hbm [shape: bf16[4096], index: 0, kind: input, shape index: {}]",
-        ),
-        _bundle(1, dma.format(n=2, pred="0")),
-        _bundle(2, dma.format(n=3, pred="1")),
-        _bundle(3, dma.format(n=4, pred="!1")),
+        _bundle(0, _OPERAND),
+        _bundle(1, _COPY.format(n=2, pred="(0),")),
+        _bundle(2, _COPY.format(n=3, pred="(1),")),
+        _bundle(3, _COPY.format(n=4, pred="(!1),")),
     ]
     r = _run("\n".join(lines), {})
     assert r.dmas == 1 and r.dma_bytes == 3200

@@ -34,7 +34,7 @@ the [T, H] result, nothing in between.
   With one [SLOTS, ...] array indexed by the step's slot, the scheduler could
   not tell the rows being copied in from the rows being summed and issued
   the tile's copies ahead of the loads: a 753-bundle body on tpu7x against
-  611 now, 216.7 -> 178.1 us at 8,192 Qwen3 tokens (v6e 235.0 -> 221.4).
+  611 now, 216.7 -> 178.3 us at 8,192 Qwen3 tokens (v6e 235.0 -> 221.4).
 * Each token's rows land slot-major in VMEM ([k, block_t] rows). The sum
   reads word group g of 16 tokens as one sublane-strided load (every
   row_words(H)-th row), unpacks each word with a shift and a mask (no lane

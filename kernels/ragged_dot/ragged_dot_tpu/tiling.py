@@ -439,7 +439,7 @@ def gmm_vmem_bytes(
     out_bufs = 1 if tiles * n_blocks == 1 else 2
     kp, np_ = _lane(k), _lane(bn)
     need = lhs_bufs * bm * kp * ib
-    out_row = pairs.row_words(bn) * pairs.GROUP // 2 * 4 if packed else np_ * ob
+    out_row = _row_bytes(bn) if packed else np_ * ob
     need += out_bufs * bm * out_row
     mx = mxfp4.is_mxfp4(w_dtype)
     if mx:  # [K/2, bn] byte slots and [S, bn] scale slots
@@ -502,8 +502,8 @@ def gmm_config(
     sub = sublane(dtype, w_dtype, out_dtype)  # quantized weights do not count
     best = None
     smallest_need = None
-    mxu_bound = gen.mxu_bound_block_m and m >= gen.chunk_m * max(g, 1)
-    for bm in _m_candidates(m, sub, gen, gen.mxu_bound_block_m if mxu_bound else 0):
+    top = gen.mxu_bound_block_m if m >= gen.chunk_m * max(g, 1) else 0
+    for bm in _m_candidates(m, sub, gen, top):
         chunk = _chunk(bm, gen, sub)
         for bn in _slab_candidates(n):
             # Fewer slots before smaller blocks: two still stream, one behind another.
