@@ -495,16 +495,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-chunk-buffer",
         FA,
-        "nxt = chunk_scores(*at(k, r + 1), bufs[(r + 1) % 2])",
-        "nxt = chunk_scores(*at(k, r + 1), bufs[r % 2])",
+        "nxt = chunk_scores(*at(c + 1), bufs[(c + 1) % 2]) if c + 1 < n else None",
+        "nxt = chunk_scores(*at(c + 1), bufs[c % 2]) if c + 1 < n else None",
         (f"{T_FA}::test_forward_slabs_match_reference",),
         "forward pipeline: the next chunk's scores overwrite the buffer this chunk reads",
     ),
     Mutant(
         "fa-fwd-chunk-lanes",
         FA,
-        "return k * (depth // per) + r // per, (r % per) * lc",
-        "return k * (depth // per) + r // per, 0",
+        "return c // per, (c % per) * lc",
+        "return c // per, 0",
         (f"{T_FA}::test_forward_chunk_layouts_match_reference",),
         "forward pipeline: every chunk of a unit takes the unit's first lanes",
     ),
@@ -519,8 +519,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-chunk-tail",
         FA,
-        "        for c in range(depth * trips, n):",
-        "        for c in range(depth * trips, n - 1):",
+        "        for c in range(n):\n            nxt = chunk_scores(*at(c + 1)",
+        "        for c in range(n - 1):\n            nxt = chunk_scores(*at(c + 1)",
         (f"{T_FA}::test_forward_slabs_match_reference",),
         "forward pipeline: the last chunk of a fully visible pair never updated",
     ),
@@ -631,10 +631,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-full-pair-stale-vt",
         FA,
-        """        st = chunk_scores(*at(0, 0), bufs[0])
+        """        st = chunk_scores(*at(0), bufs[0])
         transpose_v()
 """,
-        """        st = chunk_scores(*at(0, 0), bufs[0])
+        """        st = chunk_scores(*at(0), bufs[0])
 """,
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward: a fully visible pair reads the V^T of the step before (its own transpose dropped)",
@@ -642,26 +642,42 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-range-prefetch-keys",
         FA,
-        "return range_chunks(a, keys(c), st, keys(c + 1))",
-        "return range_chunks(a, keys(c), st, keys(c))",
+        "nxt.append(chunk_scores(a, r * lc, buf, keys(c + 1), row0))",
+        "nxt.append(chunk_scores(a, r * lc, buf, keys(c), row0))",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward masked pair: the next range's first chunk scored against this range's keys",
     ),
     Mutant(
         "fa-fwd-odd-range-first-chunk",
         FA,
-        "range_chunks(a, keys, chunk_scores(a, 0, s0_ref, keys))",
-        "range_chunks(a, keys, chunk_scores(a, lc, s0_ref, keys))",
+        "st = chunk_scores(a, 0, s0_ref, keys)",
+        "st = chunk_scores(a, lc, s0_ref, keys)",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward masked pair, odd chunks a unit: each range's first chunk scored from the second's rows",
     ),
     Mutant(
         "fa-fwd-range-peel",
         FA,
-        "st = lax.fori_loop(c_lo, c_hi - 1, body, st)",
-        "st = lax.fori_loop(c_lo + 1, c_hi - 1, body, st)",
+        "st = lax.fori_loop(0, trips, body, st)",
+        "st = lax.fori_loop(1, trips, body, st)",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
-        "forward masked pair: a unit's first visible key range skipped",
+        "forward masked pair: a unit's first loop trip (two key ranges) skipped",
+    ),
+    Mutant(
+        "fa-fwd-range-slot-sets",
+        FA,
+        "        s = p * per + r\n",
+        "        s = r\n",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward masked pair: the next range's scores overwrite the ones this range still updates from",
+    ),
+    Mutant(
+        "fa-fwd-range-even-tail",
+        FA,
+        "                step(c + 1, 1, step(c, 0, st), last=True)",
+        "                step(c, 0, st, last=True)",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward masked pair: a unit with an even count of key ranges drops its last",
     ),
     Mutant(
         "fa-tile-rows-segmented",

@@ -410,9 +410,14 @@ def test_backward_chunk_layouts_match_reference(layout, fuse):
 # blocks, the block's later rows see a key range its first sub-tile rows do
 # not (the forward's unit there is one lane chunk: sub-tiles). Three heads:
 # an odd count of chunks a unit and a block, which run one pipeline per key
-# range (the forward's masked_range, the dK/dV kernel's).
+# range (the forward's masked_range, the dK/dV kernel's). The forward
+# scores a unit's next key range while it updates this one, two ranges a
+# loop trip and the one or two left after it: 512-key blocks of 128-key
+# ranges give units 1 to 4 ranges (the diagonal of a causal call; 3 at most
+# in a 200-key window).
 MASKED_PIPELINES = {
-    "heads-in-a-chunk-window": ((8, 256, 256, 128, (200, 0), 552, 552), (512, 2, 512, 2)),
+    "heads-in-a-chunk-window": ((8, 256, 512, 128, (200, 0), 552, 552), (512, 2, 512, 2)),
+    "heads-in-a-chunk-causal": ((8, 256, 512, 128, (-1, 0), 552, 552), (512, 2, 512, 2)),
     "a-head-a-chunk-offset": ((2, 512, 1024, 512, (-1, 0), 1064, 2088), (512, 2, 512, 2)),
     "a-head-a-chunk-256-key-ranges": (
         (2, 512, 1024, 256, (-1, 0), 1064, 2088),

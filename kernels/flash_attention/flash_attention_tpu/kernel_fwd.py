@@ -324,17 +324,19 @@ def _run_pair(prm, i, j, flags, tile, full=None, masked_pair=None):
 # once per q block, at the end.
 #
 # A fully visible pair runs as a software pipeline over lane chunks of its
-# units (tiling.fwd_chunk_lanes: 512 query rows, both 256-wide MXUs): step c
-# computes chunk c+1's scores into one of two VMEM buffers while chunk c's
-# exp and PV matmul read the other, inside a fori_loop. Scores held as one
-# value of a whole unit spilled: the compiler popped every QK result to a
-# spill slot, reloaded it, scaled it and spilled it again, and the pair was
-# bound by vector stores (v6e T = 8k causal: 7,548 stores and 6,139
-# bundles a pair against 3,200 MXU cycles). The explicit buffers store each
-# score once; the loop body holds one chunk of each phase, so the scheduler
-# overlaps them without hoisting every QK matmul ahead (unrolled, it did, and
-# spilled again). Without a soft cap, the softmax scale folds into exp2's
-# multiplier: one VALU multiply per score fewer.
+# units (tiling.fwd_chunk_lanes: 512 query rows, both 256-wide MXUs): chunk
+# c+1's scores go into one of two VMEM buffers while chunk c's exp and PV
+# matmul read the other. Scores held as one value of a whole unit spilled:
+# the compiler popped every QK result to a spill slot, reloaded it, scaled it
+# and spilled it again, and the pair was bound by vector stores (v6e T = 8k
+# causal: 7,548 stores and 6,139 bundles a pair against 3,200 MXU cycles).
+# The explicit buffers store each score once. The pipeline is unrolled, one
+# basic block a pair: as a fori_loop of two chunks a trip, each trip and the
+# straight-line code around the loop filled and drained the MXUs (tpu7x 8k
+# d=128: 7,730 bundles a pair, 1,883 a trip for 1,600 MXU cycles; unrolled
+# 7,207 for 6,400; v6e 8k forward 1,490 -> 1,387 us). Without a soft cap,
+# the softmax scale folds into exp2's multiplier: one VALU multiply per
+# score fewer.
 
 
 def _unit_pairs(prm, i, j, flags, tile, full=None, masked_pair=None):
@@ -461,23 +463,24 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             prm, row + prm.q_offset, qvalid, None, kidx, kvalid if kv_tail else None, None
         )
 
-    def chunk_scores(a, l0, s_buf, keys=None):
-        """Scores of a chunk into s_buf; returns its (m_new, alpha). keys:
-        (k0, ck), that key range of a masked pair, the mask applied."""
+    def chunk_scores(a, l0, s_buf, keys=None, row0=0):
+        """Scores of a chunk into s_buf (from row row0); returns its (m_new,
+        alpha). keys: (k0, ck), that key range of a masked pair, the mask
+        applied."""
         k = k_ref[...] if keys is None else _keys(k_ref, *keys)
         s = lax.dot_general(k, chunk_q(a, l0), NT_DIMS, preferred_element_type=jnp.float32)
         if not fold:
             s, _ = _logits(prm, s)
         if keys is not None:
             s = jnp.where(chunk_mask(a, l0, *keys), s, NEG_INF)
-        s_buf[0 : s.shape[0], :] = s
+        s_buf[row0 : row0 + s.shape[0], :] = s
         m_prev = m_ref[a, :, l0 : l0 + lc]
         row_max = jnp.max(s, axis=0, keepdims=True)
         m_new = jnp.maximum(m_prev, row_max * prm.scale if fold else row_max)
         m_ref[a, :, l0 : l0 + lc] = m_new
         return m_new, jnp.exp(m_prev - m_new)
 
-    def chunk_update(a, l0, s_buf, m_new, alpha, keys=None):
+    def chunk_update(a, l0, s_buf, m_new, alpha, keys=None, row0=0):
         acc = acc_ref[a, :, l0 : l0 + lc] * alpha
         k_lo, span = (0, g.block_kv) if keys is None else keys
         step = kc if keys is None else span
@@ -485,7 +488,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         if keys is not None:  # a row that saw nothing yet: its masked s - m is 0
             m = jnp.where(m_new < 0.5 * NEG_INF * (prm.scale if fold else 1.0), 0.0, m_new)
         for k0 in range(0, span, step):
-            s = s_buf[k0 : k0 + step, :]
+            s = s_buf[row0 + k0 : row0 + k0 + step, :]
             if fold:  # m is in logit units: exp(s * scale - m) as one exp2
                 p = jnp.exp2(s * (prm.scale * LOG2E) - m * LOG2E)
             else:
@@ -499,86 +502,96 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             acc = acc + _dot_f32(vt, p.astype(vt_ref.dtype), NN_DIMS, interpret)
         acc_ref[a, :, l0 : l0 + lc] = acc
 
+    bufs = (s0_ref, s1_ref)
+
     def full_pair():
-        # Chunk c = depth * k + r (r static) uses buffer c % 2; depth is a
-        # whole number of units and even, so both stay static in the body.
+        def at(c):  # chunk c: (unit, first lane); its scores in buffer c % 2
+            return c // per, (c % per) * lc
+
         n = units * per
-        depth = per if per % 2 == 0 else 2 * per
-        bufs = (s0_ref, s1_ref)
-
-        def at(k, r):
-            return k * (depth // per) + r // per, (r % per) * lc
-
-        def body(k, st):
-            for r in range(depth):
-                nxt = chunk_scores(*at(k, r + 1), bufs[(r + 1) % 2])
-                chunk_update(*at(k, r), bufs[r % 2], *st)
-                st = nxt
-            return st
-
-        trips = (n - 1) // depth
-        st = chunk_scores(*at(0, 0), bufs[0])
+        st = chunk_scores(*at(0), bufs[0])
         transpose_v()
-        if unit % (32 // q_ref.dtype.itemsize):  # units not whole packed sublane tiles
-            for k in range(trips):  # static row offsets
-                st = body(k, st)
-        else:
-            st = lax.fori_loop(0, trips, body, st)
-        for c in range(depth * trips, n):
-            nxt = chunk_scores(*at(0, c + 1), bufs[(c + 1) % 2]) if c + 1 < n else None
-            chunk_update(*at(0, c), bufs[c % 2], *st)
+        for c in range(n):
+            nxt = chunk_scores(*at(c + 1), bufs[(c + 1) % 2]) if c + 1 < n else None
+            chunk_update(*at(c), bufs[c % 2], *st)
             st = nxt
 
-    # A masked pair of a dense call: per unit, per key sub-tile range the
-    # unit can see, the same pipeline over the unit's lane chunks, masked.
-    # Sub-tiles of (G x 256 rows) x 256 keys held a spilled f32 score tile
-    # (v6e 8k causal d=128: 1,071 cycles each for 400 of MXU work).
-    def range_chunks(a, keys, st, next_keys=None):
-        """chunk_update over unit a's lane chunks against one key range,
-        chunk r in buffer r % 2, each chunk's successor scored before it
-        updates; st: the first chunk's scores. next_keys: the next range,
-        whose first chunk is scored while this range's last updates (its
-        scores returned)."""
-        bufs = (s0_ref, s1_ref)
-        for r in range(per):
-            nxt = None
-            if r + 1 < per:
-                nxt = chunk_scores(a, (r + 1) * lc, bufs[(r + 1) % 2], keys)
-            elif next_keys is not None:
-                nxt = chunk_scores(a, 0, bufs[0], next_keys)
-            chunk_update(a, r * lc, bufs[r % 2], *st, keys)
-            st = nxt
-        return st
+    # A masked pair of a dense call: per unit, the key sub-tile ranges
+    # (prm.sub's keys) the unit can see, each through the same pipeline over
+    # the unit's lane chunks, masked. Sub-tiles of (G x 256 rows) x 256 keys
+    # held a spilled f32 score tile (v6e 8k causal d=128: 1,071 cycles each
+    # for 400 of MXU work). A range's chunk fills ck of a buffer's block_kv
+    # rows, so the buffers hold two ranges' scores side by side (`slot`), and
+    # a unit runs with two ranges in flight: range c + 1 is scored while range
+    # c updates, and neither waits for the other's loads and stores. With one
+    # range in flight, each range's update and the next one's scores shared
+    # a buffer, and a 256-key range took 800 bundles for 400 MXU cycles (tpu7x
+    # 8k d=128); two ranges now take 1,325, and a diagonal pair 7,672 cycles,
+    # was 8,621.
+    ck = prm.sub[1] if prm.sub is not None else g.block_kv
 
     def masked_range(a, k0):
-        keys = (k0, prm.sub[1])
-        range_chunks(a, keys, chunk_scores(a, 0, s0_ref, keys))
+        """One key range's pipeline over unit a's lane chunks, chunk r in
+        buffer r % 2: what a unit runs where two ranges' scores do not fit
+        the buffers at once (per * ck > block_kv)."""
+        keys = (k0, ck)
+        st = chunk_scores(a, 0, s0_ref, keys)
+        for r in range(per):
+            nxt = chunk_scores(a, (r + 1) * lc, bufs[(r + 1) % 2], keys) if r + 1 < per else None
+            chunk_update(a, r * lc, bufs[r % 2], *st, keys)
+            st = nxt
+
+    def slot(p, r):
+        """(buffer, first row) of chunk r of a range in slot set p."""
+        s = p * per + r
+        return bufs[s % 2], (s // 2) * ck
 
     def unit_ranges(a):
-        """Runs unit a's visible key ranges as one pipeline over (range,
-        chunk): the next range's first scores are computed while this
-        range's last chunk updates, so the pipeline fills and drains once a
-        unit, not once a range (v6e 4k d=128 forward: 454.5 -> 437.8 us).
-        The last range is peeled: nothing follows it. Needs an even count
-        of chunks a unit: chunk 0 of every range goes in buffer 0."""
-        ck = prm.sub[1]
+        """Unit a's visible key ranges, two in flight: a loop of two ranges
+        a trip (the slot sets static), then the one or two ranges left."""
         c_lo, c_hi = _chunk_range(prm, i, j, a)  # pipelined: prm.sub's rows are a unit
 
         def keys(c):
             return (pl.multiple_of(c * ck, ck), ck)
 
-        def body(c, st):
-            return range_chunks(a, keys(c), st, keys(c + 1))
+        def step(c, p, st, last=False):
+            """Scores range c + 1 into set 1 - p (unless last) and updates
+            range c from set p; returns range c + 1's (m_new, alpha)s."""
+            nxt = []
+            for r in range(per):
+                if not last:
+                    buf, row0 = slot(1 - p, r)
+                    nxt.append(chunk_scores(a, r * lc, buf, keys(c + 1), row0))
+                buf, row0 = slot(p, r)
+                chunk_update(a, r * lc, buf, *st[r], keys(c), row0)
+            return nxt
+
+        def body(t, st):
+            c = c_lo + 2 * t
+            return step(c + 1, 1, step(c, 0, st))
 
         @pl.when(c_hi > c_lo)
         def _():
-            st = chunk_scores(a, 0, s0_ref, keys(c_lo))
-            st = lax.fori_loop(c_lo, c_hi - 1, body, st)
-            range_chunks(a, keys(c_hi - 1), st)
+            n = c_hi - c_lo
+            trips = lax.div(n - 1, 2)  # n >= 1; floor division would lower through sign()
+            st = []
+            for r in range(per):
+                buf, row0 = slot(0, r)
+                st.append(chunk_scores(a, r * lc, buf, keys(c_lo), row0))
+            st = lax.fori_loop(0, trips, body, st)
+            c = c_lo + 2 * trips
+
+            @pl.when(lax.rem(n, 2) == 0)
+            def _():
+                step(c + 1, 1, step(c, 0, st), last=True)
+
+            @pl.when(lax.rem(n, 2) == 1)
+            def _():
+                step(c, 0, st, last=True)
 
     def masked_pair():
         for a in range(units):
-            if per % 2 == 0:
+            if per * ck <= g.block_kv:
                 unit_ranges(a)
             else:
                 _visible_chunks(prm, i, j, a, functools.partial(masked_range, a))
