@@ -185,6 +185,28 @@ def test_block_delay_rule_runs_a_loops_tail_past_the_padding(trips):
     assert m.regs["s0"] == trips
 
 
+@pytest.mark.parametrize("trips", [1, 4])
+def test_block_delay_rule_ends_a_back_edges_slots_at_its_body_depth(trips):
+    # A loop whose back-edge sits one level above its body (the dK/dV
+    # kernel's dQ write loop on tpu7x), followed by padding and the code
+    # after the loop at the branch's level: that code (there, the waits for
+    # the loop's last copies) runs once, after the last trip, not on each.
+    lines = [
+        _bundle(0, "%s1_s0 = smov.u32 0  ;;  %s2_s1 = smov.u32 0"),
+        _bundle(1, "%s3_s0 = sadd.s32 1, %s1_s0", "LB", 2, "Start region 5"),
+        _bundle(2, f"%p4_p0 = scmp.ge.s32.totalorder %s3_s0, {trips}", "", 2),
+        _bundle(3, "%5 = sbr.rel (!%p4_p0) target = $region5", "", 1),
+        _bundle(4, ""),
+        _bundle(5, "%s6_s1 = sadd.s32 1, %s2_s1", "", 1),
+        _bundle(6, "%s7_s2 = smov.u32 9", "", 0, "Start region 6"),
+    ]
+    m = llo._Machine(llo.parse("\n".join(lines)), {}, HBM, 100, "block")
+    r = m.run()
+    assert r.unknown_branches == 0
+    assert m.regs["s0"] == trips
+    assert m.regs["s1"] == 1
+
+
 def test_dmas_share_one_pipe():
     lines = [
         _bundle(
