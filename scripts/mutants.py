@@ -621,6 +621,17 @@ MUTANTS: tuple[Mutant, ...] = (
         " prefetch and a loop body's last bundles)",
     ),
     Mutant(
+        "llo-back-edge-runs-code-after-its-loop",
+        "bench/llo.py",
+        "        depth = bd.depth if forward or target is None else max(bd.depth, bundles[target].depth)",
+        "        depth = bd.depth",
+        (
+            "tests/bench/test_llo.py::test_block_delay_rule_ends_a_back_edges_slots_at_its_body_depth",
+        ),
+        "tpu7x: a back-edge one level above its body runs the code after the loop on every"
+        " trip (the dK/dV kernel waited for each dQ copy it had just started)",
+    ),
+    Mutant(
         "bench-cut-off-as-figure",
         "bench/sweep.py",
         "if sch.stopped:",
@@ -678,6 +689,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "                step(c, 0, st, last=True)",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward masked pair: a unit with an even count of key ranges drops its last",
+    ),
+    Mutant(
+        "fa-bwd-dq-written-early",
+        FA_BWD,
+        "dq_hbm.at[bh[0], bh[1]], dq_done, i)",
+        "dq_hbm.at[bh[0], bh[1]], dq_done, i + 1)",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "fused dQ: a kv block's first q block written before that kv block's contribution",
     ),
     Mutant(
         "fa-tile-rows-segmented",
