@@ -615,7 +615,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if not nxt.ops and nxt.depth < bd.depth or forward and any(",
         (
             "tests/bench/test_llo.py::test_block_delay_rule_runs_a_predicated_copy_past_the_padding",
-            "tests/bench/test_llo.py::test_block_delay_rule_runs_a_loops_tail_past_the_padding",
+            "tests/bench/test_llo.py::test_block_delay_rule_keeps_a_back_edges_slots_in_its_loop",
         ),
         "tpu7x: empty padding ends a branch's delay slots (drops a pipelined loop's"
         " prefetch and a loop body's last bundles)",
@@ -625,9 +625,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "bench/llo.py",
         "        depth = bd.depth if forward or target is None else max(bd.depth, bundles[target].depth)",
         "        depth = bd.depth",
-        (
-            "tests/bench/test_llo.py::test_block_delay_rule_ends_a_back_edges_slots_at_its_body_depth",
-        ),
+        ("tests/bench/test_llo.py::test_block_delay_rule_keeps_a_back_edges_slots_in_its_loop",),
         "tpu7x: a back-edge one level above its body runs the code after the loop on every"
         " trip (the dK/dV kernel waited for each dQ copy it had just started)",
     ),

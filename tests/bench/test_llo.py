@@ -163,48 +163,39 @@ def test_block_delay_rule_runs_a_predicated_copy_past_the_padding():
     assert m.regs["s1"] == 5
 
 
-@pytest.mark.parametrize("trips", [1, 4])
-def test_block_delay_rule_runs_a_loops_tail_past_the_padding(trips):
-    # A loop's back-edge on tpu7x: the body's last op sits after an empty
-    # padding bundle, in the branch's delay slots, and runs on every pass
-    # (gmm's inner loops have this shape; stopping at the padding dropped
-    # their stores and made gate/up 4x faster than its MXU work).
-    lines = [
-        _bundle(0, "%s1_s0 = smov.u32 0  ;;  %s2_s1 = smov.u32 0"),
-        _bundle(1, "%s3_s0 = sadd.s32 1, %s1_s0", "LB", 1, "Start region 5"),
-        _bundle(2, f"%p4_p0 = scmp.ge.s32.totalorder %s3_s0, {trips}", "", 1),
-        _bundle(3, "%5 = sbr.rel (!%p4_p0) target = $region5", "", 1),
-        _bundle(4, ""),
-        _bundle(5, "%s6_s1 = sadd.s32 1, %s2_s1", "", 1),
-        _bundle(6, "%s7_s2 = smov.u32 9"),
-    ]
-    m = llo._Machine(llo.parse("\n".join(lines)), {}, HBM, 100, "block")
-    r = m.run()
-    assert r.unknown_branches == 0
-    assert m.regs["s1"] == trips
-    assert m.regs["s0"] == trips
+def _back_edge_program(trips: int, body_depth: int) -> str:
+    """A loop counting s0 up to `trips` (body at `body_depth`) whose back-edge
+    sits at depth 1, then an empty padding bundle and an s1 increment at
+    depth 1: the body's last op where the body is at depth 1, the code after
+    the loop where it is deeper."""
+    return "\n".join(
+        [
+            _bundle(0, "%s1_s0 = smov.u32 0  ;;  %s2_s1 = smov.u32 0"),
+            _bundle(1, "%s3_s0 = sadd.s32 1, %s1_s0", "LB", body_depth, "Start region 5"),
+            _bundle(2, f"%p4_p0 = scmp.ge.s32.totalorder %s3_s0, {trips}", "", body_depth),
+            _bundle(3, "%5 = sbr.rel (!%p4_p0) target = $region5", "", 1),
+            _bundle(4, ""),
+            _bundle(5, "%s6_s1 = sadd.s32 1, %s2_s1", "", 1),
+            _bundle(6, "%s7_s2 = smov.u32 9", "", 0, "Start region 6"),
+        ]
+    )
 
 
 @pytest.mark.parametrize("trips", [1, 4])
-def test_block_delay_rule_ends_a_back_edges_slots_at_its_body_depth(trips):
-    # A loop whose back-edge sits one level above its body (the dK/dV
-    # kernel's dQ write loop on tpu7x), followed by padding and the code
-    # after the loop at the branch's level: that code (there, the waits for
-    # the loop's last copies) runs once, after the last trip, not on each.
-    lines = [
-        _bundle(0, "%s1_s0 = smov.u32 0  ;;  %s2_s1 = smov.u32 0"),
-        _bundle(1, "%s3_s0 = sadd.s32 1, %s1_s0", "LB", 2, "Start region 5"),
-        _bundle(2, f"%p4_p0 = scmp.ge.s32.totalorder %s3_s0, {trips}", "", 2),
-        _bundle(3, "%5 = sbr.rel (!%p4_p0) target = $region5", "", 1),
-        _bundle(4, ""),
-        _bundle(5, "%s6_s1 = sadd.s32 1, %s2_s1", "", 1),
-        _bundle(6, "%s7_s2 = smov.u32 9", "", 0, "Start region 6"),
-    ]
-    m = llo._Machine(llo.parse("\n".join(lines)), {}, HBM, 100, "block")
+@pytest.mark.parametrize("body_depth", [1, 2])
+def test_block_delay_rule_keeps_a_back_edges_slots_in_its_loop(trips, body_depth):
+    # Depth 1: the body's last op sits after an empty padding bundle, in the
+    # back-edge's delay slots, and runs on every pass (gmm's inner loops have
+    # this shape; stopping at the padding dropped their stores and made
+    # gate/up 4x faster than its MXU work). Depth 2: the back-edge sits one
+    # level above its body (the dK/dV kernel's dQ write loop), and the op
+    # after the padding is the code after the loop (there, the waits for the
+    # loop's last copies): it runs once, after the last trip.
+    m = llo._Machine(llo.parse(_back_edge_program(trips, body_depth)), {}, HBM, 100, "block")
     r = m.run()
     assert r.unknown_branches == 0
     assert m.regs["s0"] == trips
-    assert m.regs["s1"] == 1
+    assert m.regs["s1"] == (trips if body_depth == 1 else 1)
 
 
 def test_dmas_share_one_pipe():
