@@ -595,13 +595,16 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         if per * ck > g.block_kv:
             for a in range(units):
                 _visible_chunks(prm, i, j, a, functools.partial(masked_range, a))
-            return
+        elif unit % (32 // q_ref.dtype.itemsize):  # a traced row offset must be tile-aligned
+            for a in range(units):
+                unit_ranges(a)
+        else:
 
-        def unit(a, carry):
-            unit_ranges(a)
-            return carry
+            def unit_loop(a, carry):
+                unit_ranges(a)
+                return carry
 
-        lax.fori_loop(0, units, unit, 0)
+            lax.fori_loop(0, units, unit_loop, 0)
 
     pipelined = per > 1 and prm.sub is not None and prm.sub[0] == unit
     _unit_pairs(prm, i, j, flags, tile, full_pair, masked_pair if pipelined else None)
