@@ -43,8 +43,8 @@ GRANULE_BYTES = 32
 # How many bundles after a taken branch still execute before it jumps.
 # v5e/v6e: always the next 4 (the compiler pads with empty bundles). tpu7x:
 # the rest of the branch's basic block: the bundles up to the next region start,
-# or to the first non-empty bundle outside the branch's loop depth (a
-# back-edge's: its body's) (up to 8);
+# or to the first non-empty bundle shallower than the branch (a back-edge:
+# than its loop body), up to 8;
 # the empty padding there is not a slot; a forward branch's slots also end
 # before the first unpredicated DMA, wait or SMEM store (the skipped block's
 # own). The rules were chosen because they are the ones under which the
