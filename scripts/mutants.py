@@ -495,16 +495,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-chunk-buffer",
         FA,
-        "nxt = chunk_scores(*at(c + 1), bufs[(c + 1) % 2]) if c + 1 < n else None",
-        "nxt = chunk_scores(*at(c + 1), bufs[c % 2]) if c + 1 < n else None",
+        "nxt = chunk_scores(a, l0, bufs[(c + 1) % 2], span=span)",
+        "nxt = chunk_scores(a, l0, bufs[c % 2], span=span)",
         (f"{T_FA}::test_forward_slabs_match_reference",),
         "forward pipeline: the next chunk's scores overwrite the buffer this chunk reads",
     ),
     Mutant(
         "fa-fwd-chunk-lanes",
         FA,
-        "return c // per, (c % per) * lc",
-        "return c // per, 0",
+        "chunk_pipeline([(c // per, (c % per) * lc, None) for c in range(units * per)])",
+        "chunk_pipeline([(c // per, 0, None) for c in range(units * per)])",
         (f"{T_FA}::test_forward_chunk_layouts_match_reference",),
         "forward pipeline: every chunk of a unit takes the unit's first lanes",
     ),
@@ -519,8 +519,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-chunk-tail",
         FA,
-        "        for c in range(n):\n            nxt = chunk_scores(*at(c + 1)",
-        "        for c in range(n - 1):\n            nxt = chunk_scores(*at(c + 1)",
+        "        for c in range(n):\n            nxt = None\n",
+        "        for c in range(n - 1):\n            nxt = None\n",
         (f"{T_FA}::test_forward_slabs_match_reference",),
         "forward pipeline: the last chunk of a fully visible pair never updated",
     ),
@@ -583,8 +583,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-bwd-masked-p",
         FA_BWD,
-        "        if keys is not None:\n            p = jnp.where(mask, p, 0.0)",
-        "        if keys is not None:\n            p = p",
+        "        if mask is not None:\n            p = jnp.where(mask, p, 0.0)",
+        "        if mask is not None:\n            p = p",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "dK/dV masked pipeline: P not masked",
     ),
@@ -640,10 +640,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-fwd-full-pair-stale-vt",
         FA,
-        """        st = chunk_scores(*at(0), bufs[0])
+        """        st = chunk_scores(a, l0, bufs[0], span=span)
         transpose_v()
 """,
-        """        st = chunk_scores(*at(0), bufs[0])
+        """        st = chunk_scores(a, l0, bufs[0], span=span)
 """,
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward: a fully visible pair reads the V^T of the step before (its own transpose dropped)",
@@ -687,6 +687,38 @@ MUTANTS: tuple[Mutant, ...] = (
         "                step(c, 0, st, last=True)",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "forward masked pair: a unit with an even count of key ranges drops its last",
+    ),
+    Mutant(
+        "fa-fwd-diagonal-triangle-open",
+        FA,
+        "return lax.broadcasted_iota(jnp.int32, (ck, lc), 0) <= rel",
+        "return lax.broadcasted_iota(jnp.int32, (ck, lc), 0) < rel",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward diagonal pair: a row no longer sees its own key",
+    ),
+    Mutant(
+        "fa-fwd-diagonal-drops-keys-below",
+        FA,
+        "            if span > ck:\n                s_buf[0 : span - ck, :] = below",
+        "            if span > 2 * ck:\n                s_buf[0 : span - ck, :] = below",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward diagonal pair: a unit's second range of keys keeps the other buffer's stale scores",
+    ),
+    Mutant(
+        "fa-bwd-diagonal-triangle-open",
+        FA_BWD,
+        "(kc, w), 0) <= lane + (off + d - k0)",
+        "(kc, w), 0) < lane + (off + d - k0)",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "dK/dV diagonal pair: a row's own key gets no gradient",
+    ),
+    Mutant(
+        "fa-bwd-diagonal-rows-from-block-start",
+        FA_BWD,
+        "            for off in range(max(c * ck - d, 0), br, lc)\n",
+        "            for off in range(max(c * ck - d, 0), br - c * ck, lc)\n",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "dK/dV diagonal pair: a later key range drops the block's last rows",
     ),
     Mutant(
         "fa-bwd-dq-written-early",
@@ -830,8 +862,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-bwd-fused-dq-offset",
         FA_BWD,
-        "dq_acc[i, hh, :, off : off + lc] += dqt",
-        "dq_acc[i, hh, :, 0:lc] += dqt",
+        "dq_acc[i, hh, :, off : off + w] += dqt",
+        "dq_acc[i, hh, :, 0:w] += dqt",
         (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
         "fused dQ: every chunk of a head added to its first lanes",
     ),

@@ -424,6 +424,21 @@ MASKED_PIPELINES = {
         (512, 1, 512, 2),
     ),
     "three-heads-odd-chunks": ((3, 512, 512, 256, (-1, 0), 1064, 1064), (256, 3, 512, 3)),
+    # Whole blocks, q block = kv block: every masked pair is a diagonal one,
+    # and the forward runs it as one pipeline of growing key spans, a static
+    # triangle on each unit's last range (kernel_fwd.py: diagonal_pair):
+    # units of 128 rows of 8 heads (a chunk holds 4 heads' units, one
+    # diagonal pair), and 256 rows of 4 heads (2 a chunk) with the diagonal
+    # a block off (sq < skv). The dK/dV kernel does the same with each key
+    # range's rows from its diagonal on (kernel_bwd.py: diagonal_pair), a
+    # head's block one lane chunk (4 heads) or two (2 heads: the range's
+    # rows start mid-chunk, and its last chunk is narrower); 512-row blocks
+    # of 1024 keys put a pair's first row 0 or 512 positions past its first
+    # key (two static variants).
+    "diagonal-heads-in-a-chunk": ((8, 512, 512, 128, (-1, 0), 512, 512), (512, 2, 512, 4)),
+    "diagonal-offset": ((4, 512, 512, 256, (-1, 0), 512, 1024), (512, 2, 512, 4)),
+    "diagonal-two-chunks-a-head": ((2, 1024, 1024, 256, (-1, 0), 2048, 2048), (512, 1, 512, 4)),
+    "diagonal-two-offsets": ((4, 512, 1024, 256, (-1, 0), 2048, 2048), (512, 2, 512, 4)),
 }
 
 
