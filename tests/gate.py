@@ -385,10 +385,13 @@ class CompilePool:
         )
 
     def report(self, path: str) -> None:
-        """Writes every finished point's result as JSON lines (GATE_REPORT=path)."""
+        """Appends every finished point's result as JSON lines (GATE_REPORT=path;
+        remove the file before a run): under xdist each test process's pool
+        adds the points it compiled (written, the last process's replaced the
+        others')."""
         import json
 
-        with open(path, "w") as f:
+        with open(path, "a") as f:
             for (module_file, point), r in self._done().items():
                 row = dict(module=os.path.basename(module_file), point=list(point))
                 f.write(json.dumps({**row, **dataclasses.asdict(r)}) + "\n")
