@@ -98,6 +98,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--attention-seqs", type=_ints, default=None)
     p.add_argument(
+        "--attention-windows",
+        type=_ints,
+        default=None,
+        help="causal sliding windows, keys a query sees (0: the whole causal prefix; default 0)",
+    )
+    p.add_argument(
         "--attention-head-dims",
         type=_ints,
         default=None,
@@ -229,8 +235,9 @@ def build_tasks(args):
         for n in seqs:
             for hd in args.attention_head_dims or [128]:
                 for d in dirs:
-                    pt = points.AttentionPoint(n, head_dim=hd, direction=d)
-                    tasks += [(i, pt) for i in impls("attention")]
+                    for w in args.attention_windows or [0]:
+                        pt = points.AttentionPoint(n, head_dim=hd, direction=d, window=w)
+                        tasks += [(i, pt) for i in impls("attention")]
     if "decode_attention" in args.kernels:
         batches = args.decode_batches or list(points.DECODE_BATCHES)
         contexts = args.decode_contexts or list(points.DECODE_CONTEXTS)

@@ -98,7 +98,15 @@ class AttentionPoint:
     # "fwd", or "train": forward then backward (jax.vjp of the implementation,
     # cotangent = the output), what one training step of the layer costs.
     direction: str = "fwd"
+    # 0: causal over the whole sequence; w > 0: causal sliding window, each
+    # query sees its w latest keys, itself included (flash-attn window_size
+    # (w - 1, 0); Mistral, Gemma and GPT-OSS local layers).
+    window: int = 0
     kernel = "attention"
+
+    def __post_init__(self):
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"window: expected an int >= 0 (0: causal), got {self.window!r}")
 
     @property
     def tokens(self) -> int:
@@ -112,6 +120,7 @@ class AttentionPoint:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             causal=True,
+            window=self.window or "-",
             dtype=self.dtype,
             tokens=self.tokens,
             direction=self.direction,
@@ -128,6 +137,7 @@ class AttentionPoint:
             self.head_dim,
             self.dtype,
             self.direction,
+            self.window,
         )
 
     def program(self, fn):
@@ -165,10 +175,18 @@ class AttentionPoint:
         # forward: q, k, v in, out; backward: q, k, v, out, dout in, dq, dk, dv out
         return 2 * q + 2 * kv if self.direction == "fwd" else 6 * q + 6 * kv
 
+    def visible(self) -> int:
+        """(query, key) entries a row sees, summed over rows: seq^2 / 2 causal
+        (the diagonal's half left out, as ever), w seq - w^2 / 2 in a window."""
+        s, w = self.seq, self.window
+        if not w or w >= s:
+            return s * s // 2
+        return w * s - w * w // 2
+
     def useful_flops(self) -> int:
-        # QK^T and PV over the causal half; the backward's four products (dV, dP,
-        # dQ, dK) are twice that
-        fwd = 2 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim
+        # QK^T and PV over the visible entries; the backward's four products
+        # (dV, dP, dQ, dK) are twice that
+        fwd = 4 * self.batch * self.q_heads * self.visible() * self.head_dim
         return fwd if self.direction == "fwd" else 3 * fwd
 
     def roofline_s(self, generation: str) -> float:

@@ -636,12 +636,26 @@ register(Impl("xla_rmsnorm", "rmsnorm", "jnp RMSNorm compiled by XLA", _xla_rmsn
 # --------------------------------------------------------------------------
 
 
+def _window_size(point):
+    """flash-attn's window_size for the point: (w - 1, 0), or None (causal)."""
+    return (point.window - 1, 0) if point.window else None
+
+
+def _full_causal_only(point, name):
+    if point.window:
+        raise Skip(f"{name}: causal over the whole sequence only (no sliding window here)")
+
+
 def _ours_attention(point, generation, ctx) -> Built:
-    fn = _contract_entry("flash_attention_tpu", "flash_attention", generation, causal=True)
+    window = {"window_size": _window_size(point)} if point.window else {}
+    fn = _contract_entry(
+        "flash_attention_tpu", "flash_attention", generation, causal=True, **window
+    )
     return Built(fn, ("ours_flash_attention", generation), glue_key=("ours_flash_attention",))
 
 
 def _jax_flash(point, generation, ctx) -> Built:
+    _full_causal_only(point, "JAX's Pallas flash attention")
     fa = _import("jax.experimental.pallas.ops.tpu.flash_attention")
     d = point.head_dim
 
@@ -656,6 +670,7 @@ def _jax_flash(point, generation, ctx) -> Built:
 
 
 def _xla_attention(point, generation, ctx) -> Built:
+    _full_causal_only(point, "the XLA reference")
     d = point.head_dim
 
     def fn(q, k, v):
@@ -679,19 +694,19 @@ def _jax_splash(point, generation, ctx) -> Built:
     _import("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel")
 
     def fn(q, k, v):
-        return sp.jax_splash(q, k, v)
+        return sp.jax_splash(q, k, v, window=point.window)
 
     b = min(sp.BLOCK, point.seq)
+    mask = f"LocalMask window ({point.window - 1}, 0)" if point.window else "CausalMask"
     return Built(
         fn,
-        ("jax_splash_attention", b),
-        notes=(
-            f"make_splash_mha, CausalMask, native GQA, blocks q=kv=kv_compute={b}, q pre-scaled",
-        ),
+        ("jax_splash_attention", b, point.window),
+        notes=(f"make_splash_mha, {mask}, native GQA, blocks q=kv=kv_compute={b}, q pre-scaled",),
     )
 
 
 def _torch_tpu_splash(point, generation, ctx) -> Built:
+    _full_causal_only(point, "torch_tpu's splash_sdpa")
     sp = _import("bench.baselines.splash")
     _import("torch_tpu._internal.ops.splash_attention")
 

@@ -81,13 +81,14 @@ def _point_key(r: dict) -> tuple:
         r["q_heads"],
         r["kv_heads"],
         r["head_dim"],
+        r.get("window", "-"),
     )
 
 
 _POINT_COLS = {
     "moe": ["model", "routing", "tokens"],
     "rmsnorm": ["hidden", "tokens", "variant", "direction"],
-    "attention": ["seq", "direction", "batch", "q_heads", "kv_heads", "head_dim"],
+    "attention": ["seq", "window", "direction", "batch", "q_heads", "kv_heads", "head_dim"],
     "decode_attention": ["context", "batch", "cache_len", "q_heads", "kv_heads", "head_dim"],
 }
 

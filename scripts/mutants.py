@@ -721,6 +721,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "dK/dV diagonal pair: a later key range drops the block's last rows",
     ),
     Mutant(
+        "fa-fwd-window-edge-pairs-skipped",
+        FA,
+        "            pl.when(jnp.logical_not(on_diagonal))(edge_pair)",
+        "            pass",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "forward, windowed: the pairs the window's far edge cuts are never computed",
+    ),
+    Mutant(
+        "fa-bwd-window-edge-pairs-skipped",
+        FA_BWD,
+        "            pl.when(jnp.logical_or(d_now < ds[0], d_now > ds[-1]))(masked_pair)",
+        "            pass",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "dK/dV, windowed: the pairs the window's far edge cuts are never computed",
+    ),
+    Mutant(
         "fa-bwd-dq-written-early",
         FA_BWD,
         "dq_hbm.at[bh[0], bh[1]], dq_done, i)",

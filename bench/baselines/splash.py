@@ -43,7 +43,7 @@ def _splash_modules():
 
 
 @functools.lru_cache(maxsize=None)
-def _jax_kernel(seq: int, q_heads: int, block: int, interpret: bool):
+def _jax_kernel(seq: int, q_heads: int, block: int, interpret: bool, window: int = 0):
     sk, sm = _splash_modules()
     b = min(block, seq)
     # backward blocks as MaxText sets them (fused dK/dV+dQ kernel), so the
@@ -57,7 +57,11 @@ def _jax_kernel(seq: int, q_heads: int, block: int, interpret: bool):
         block_kv_dkv_compute=b,
         use_fused_bwd_kernel=True,
     )
-    mask = sm.MultiHeadMask(tuple(sm.CausalMask((seq, seq)) for _ in range(q_heads)))
+    if window:
+        one = sm.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
+    else:
+        one = sm.CausalMask((seq, seq))
+    mask = sm.MultiHeadMask(tuple(one for _ in range(q_heads)))
     # concrete mask tables even when first called under a trace (cached here)
     with jax.ensure_compile_time_eval():
         return sk.make_splash_mha(
@@ -65,10 +69,11 @@ def _jax_kernel(seq: int, q_heads: int, block: int, interpret: bool):
         )
 
 
-def jax_splash(q, k, v, *, block: int = BLOCK):
-    """Causal GQA splash attention forward, [B, H, S, D] in and out."""
+def jax_splash(q, k, v, *, block: int = BLOCK, window: int = 0):
+    """Causal GQA splash attention forward, [B, H, S, D] in and out; window > 0:
+    each query sees its `window` latest keys (LocalMask (window - 1, 0))."""
     _, hq, s, d = q.shape
-    kernel = _jax_kernel(s, hq, block, INTERPRET)
+    kernel = _jax_kernel(s, hq, block, INTERPRET, window)
     qs = q * jnp.asarray(d**-0.5, q.dtype)
     return jax.vmap(kernel)(qs, k, v)
 

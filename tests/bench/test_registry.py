@@ -156,14 +156,16 @@ def test_tokamax_int8_peer_runs_quantized_weights_in_its_pallas_kernel():
         ), [(getattr(o, "shape", None), getattr(o, "dtype", None)) for o in launch.operands]
 
 
-def attention_reference(q, k, v):
+def attention_reference(q, k, v, window=0):
     q, k, v = map(_f64, (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k = np.repeat(k, rep, axis=1)
     v = np.repeat(v, rep, axis=1)
     s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
     n = q.shape[2]
-    s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+    row, col = np.arange(n)[:, None], np.arange(n)[None, :]
+    seen = (col <= row) & ((col > row - window) if window else True)
+    s = np.where(seen, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("bhqk,bhkd->bhqd", p, v)
@@ -181,6 +183,38 @@ def test_attention_baseline_matches_reference(impl, kv_heads, monkeypatch):
     _, out = _run(impl, point, tpu_interpret=False)
     assert out.shape == (2, 4, 256, 128)
     _close(out, attention_reference(*point.real_args()))
+
+
+@pytest.mark.parametrize("impl", ["ours_flash_attention", "jax_splash_attention"])
+def test_windowed_attention_points_match_reference(impl, monkeypatch):
+    # A 96-key window over 256 positions: each query sees its 96 latest keys.
+    from bench.baselines import splash
+
+    monkeypatch.setattr(splash, "INTERPRET", True)
+    point = points.AttentionPoint(seq=256, batch=1, q_heads=4, kv_heads=2, window=96)
+    _, out = _run(impl, point, tpu_interpret=impl == "ours_flash_attention")
+    _close(out, attention_reference(*point.real_args(), window=96))
+
+
+def test_windowed_attention_point_counts_its_band_and_skips_whole_prefix_impls():
+    p = points.AttentionPoint(seq=8192, window=4096)
+    # rows 0..4095 see 1..4096 keys, the rest 4096: 4096^2 / 2 + 4096 * 4096
+    assert p.visible() == 4096 * 4096 // 2 + 4096 * 4096
+    assert p.useful_flops() == 4 * 32 * p.visible() * 128
+    assert points.AttentionPoint(seq=8192).visible() == 8192 * 8192 // 2
+    assert p.walk_key != points.AttentionPoint(seq=8192).walk_key
+    from bench import report  # a windowed point gets its own table row
+
+    keys = {
+        report._point_key(dict(kernel="attention", **q.labels()))
+        for q in (p, points.AttentionPoint(seq=8192))
+    }
+    assert len(keys) == 2
+    for impl in ("torch_tpu_splash", "xla_attention", "jax_pallas_flash_attention"):
+        with pytest.raises(registry.Skip, match="sliding window"):
+            registry.REGISTRY[impl].build(p, "v6e", None)
+    with pytest.raises(ValueError, match="window"):
+        points.AttentionPoint(seq=8192, window=-1)
 
 
 def decode_reference(q, k_pages, v_pages, lengths, table):

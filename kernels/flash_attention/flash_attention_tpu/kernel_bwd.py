@@ -377,9 +377,10 @@ def _dkdv_kernel(
     def masked_pair():  # the key ranges any row of the block can see
         _visible_chunks(prm, i, j, 0, masked_range, rows=br)
 
-    # Causal self-attention over whole blocks (no window, tail, positions or
-    # segments; q_offset a multiple of the kv block, block edges on the
-    # sub-tile grid): a masked pair's first row sits d positions past its
+    # Causal self-attention over whole blocks (no tail, positions or
+    # segments, a window (if any) wider than a q and a kv block together;
+    # q_offset a multiple of the kv block, block edges on the sub-tile grid):
+    # a masked pair on the diagonal has its first row d positions past its
     # first key, d one of a few static values (0 where q block = kv block;
     # 0 or 512 for 512-row blocks of 1024 keys). Key range c is then visible
     # to the rows from c ck - d on, so the pair runs one pipeline, unrolled,
@@ -388,7 +389,7 @@ def _dkdv_kernel(
     # positions. Key ranges over the whole block computed the hidden rows
     # too (a 512-position pair of 256-key ranges: 4 lane widths of 3
     # needed) and the mask from positions: tpu7x 8k d=128 dK/dV 2,815.3 ->
-    # 2,705.4 us.
+    # 2,705.4 us. A window's far edge keeps the masked-range pipelines.
     ck = prm.sub[1] if prm.sub is not None else bkv
     step_d = math.gcd(br, bkv)
     diagonal_only = (
@@ -396,7 +397,7 @@ def _dkdv_kernel(
         and per >= 1
         and prm.sub is not None
         and prm.right == 0
-        and prm.left >= bsched.UNBOUNDED
+        and prm.left >= br + bkv  # the window cuts no pair on the diagonal
         and not (prm.has_qpos or prm.has_segments or kv_tail or q_tail)
         and step_d % ck == 0
         and prm.q_offset % bkv == 0
@@ -416,14 +417,17 @@ def _dkdv_kernel(
             consume(c, bufs[n % 2], keys)
 
     def diagonal_pairs():
-        """The variant of this pair's d; masked pairs have -br < d < bkv - 1."""
+        """The variant of this pair's d (pairs on the diagonal have -br < d <
+        bkv - 1); a window's far edge: the masked-range pipelines."""
         d_now = i * br + prm.q_offset - j * bkv
         ds = range(-br + step_d, bkv - 1, step_d)
-        if len(ds) == 1:
+        if len(ds) == 1 and prm.left >= bsched.UNBOUNDED:
             diagonal_pair(ds[0])
             return
         for d in ds:
             pl.when(d_now == d)(functools.partial(diagonal_pair, d))
+        if prm.left < bsched.UNBOUNDED:
+            pl.when(jnp.logical_or(d_now < ds[0], d_now > ds[-1]))(masked_pair)
 
     pipelined = n_chunks > 1
     if own_delta:  # a first pair that no full pipeline runs: the block's delta at once

@@ -396,31 +396,36 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     h = pl.program_id(1)
     i, j, flags = _decode(sched_ref, pl.program_id(2))
 
-    # Where every masked pair is a diagonal one whose edge falls on sub-tile
-    # boundaries (causal self-attention over whole blocks: no window, tail,
-    # positions or segments; q block = kv block, q_offset a multiple of it;
-    # lane chunks of whole units), unit a sees keys 0:(a + 1) ck, all but the
-    # last ck of them whole. Its chunks then run through the fully visible
+    # Where a masked pair can be a diagonal one whose edge falls on sub-tile
+    # boundaries (causal self-attention over whole blocks: no tail,
+    # positions or segments, a window (if any) of at least a block; q block =
+    # kv block, q_offset a multiple of it; lane chunks of whole units), in
+    # such a pair unit a sees keys 0:(a + 1) ck, all but the last ck of them
+    # whole. Its chunks then run through the fully visible
     # pairs' pipeline with key spans that grow with a, and only the last
     # range takes a mask, a static triangle (diagonal_pair). As ranges of
     # their own, two in flight (unit_ranges), a diagonal pair was bound by
     # the ranges' dependency chains, not by a slot (tpu7x 8k d=128: 1,297
     # bundles a trip of two ranges, 888 of VALU work, 800 MXU cycles); the
     # forward went 1,237.0 -> 1,131.9 us there, v6e 1,389.2 -> 1,259.1.
+    # Without a window every masked pair is one (diagonal_only); with one,
+    # the window's far edge keeps the masked-range pipelines.
     lc = prm.chunk_lanes
     per = gb * unit // lc  # chunks per unit
     pipelined = per > 1 and prm.sub is not None and prm.sub[0] == unit
-    diagonal_only = (
+    diagonal = (
         pipelined
         and lc % unit == 0
         and not g.seq_major
         and prm.sub == (unit, unit)
         and prm.right == 0
-        and prm.left >= bsched.UNBOUNDED
+        and prm.left + 1 >= g.block_pos  # the window cuts no diagonal pair
         and not (prm.has_qpos or prm.has_segments or kv_tail or q_tail)
         and g.block_pos == g.block_kv
         and prm.q_offset % g.block_kv == 0
     )
+    diagonal_only = diagonal and prm.left >= bsched.UNBOUNDED
+    on_diagonal = i * g.block_pos + prm.q_offset == j * g.block_kv
 
     @pl.when(_flag(flags, bsched.INIT))
     def _init():
@@ -434,9 +439,13 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     # A fully visible pair transposes V inside its pipeline (full_pair), where
     # the scheduler overlaps the transposes with its first chunk's QK matmul.
-    @pl.when(jnp.logical_and(_flag(flags, bsched.COMPUTE), _flag(flags, bsched.MASK)))
-    def _transpose_v():
-        if not diagonal_only:
+    masked_step = jnp.logical_and(_flag(flags, bsched.COMPUTE), _flag(flags, bsched.MASK))
+    if not diagonal_only:  # a diagonal pair's pipeline transposes V itself
+
+        @pl.when(
+            jnp.logical_and(masked_step, jnp.logical_not(on_diagonal)) if diagonal else masked_step
+        )
+        def _transpose_v():
             transpose_v()
 
     def scores(a, k0, ck):
@@ -667,6 +676,13 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     if diagonal_only:
         masked_pair = diagonal_pair
+    elif diagonal:
+        edge_pair = masked_pair
+
+        def masked_pair():
+            pl.when(on_diagonal)(diagonal_pair)
+            pl.when(jnp.logical_not(on_diagonal))(edge_pair)
+
     _unit_pairs(prm, i, j, flags, tile, full_pair, masked_pair if pipelined else None)
 
     @pl.when(_flag(flags, bsched.FINAL))
