@@ -436,12 +436,17 @@ MASKED_PIPELINES = {
     # of 1024 keys put a pair's first row 0 or 512 positions past its first
     # key (two static variants). A window of more than two blocks leaves the
     # diagonal pairs whole triangles: they take these pipelines, the pairs
-    # its far edge cuts the masked-range ones.
+    # its far edge cuts the masked-range ones, or in the forward, where the
+    # window is whole kv blocks (1024 keys here), the diagonal's mirror.
     "diagonal-heads-in-a-chunk": ((8, 512, 512, 128, (-1, 0), 512, 512), (512, 2, 512, 4)),
     "diagonal-offset": ((4, 512, 512, 256, (-1, 0), 512, 1024), (512, 2, 512, 4)),
     "diagonal-two-chunks-a-head": ((2, 1024, 1024, 256, (-1, 0), 2048, 2048), (512, 1, 512, 4)),
     "diagonal-two-offsets": ((4, 512, 1024, 256, (-1, 0), 1024, 1024), (512, 2, 512, 4)),
     "diagonal-and-window-edge": ((4, 512, 512, 256, (1100, 0), 2048, 2048), (512, 2, 512, 4)),
+    "diagonal-and-window-of-whole-blocks": (
+        (4, 512, 512, 256, (1023, 0), 2048, 2048),
+        (512, 2, 512, 4),
+    ),
 }
 
 

@@ -425,7 +425,14 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         and prm.q_offset % g.block_kv == 0
     )
     diagonal_only = diagonal and prm.left >= bsched.UNBOUNDED
-    on_diagonal = i * g.block_pos + prm.q_offset == j * g.block_kv
+    offset = i * g.block_pos + prm.q_offset - j * g.block_kv  # first row's - first key's
+    on_diagonal = offset == 0
+    # A window of whole kv blocks cuts one pair a row of pairs, at offset
+    # left + 1: unit a sees keys a ck + 1 + (row offset) on, an upper
+    # triangle in its first range, the diagonal's mirror (far_edge_pair).
+    far_edge = diagonal and not diagonal_only and (prm.left + 1) % g.block_kv == 0
+    on_far_edge = offset == prm.left + 1
+    own_pipeline = jnp.logical_or(on_diagonal, on_far_edge) if far_edge else on_diagonal
 
     @pl.when(_flag(flags, bsched.INIT))
     def _init():
@@ -443,7 +450,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     if not diagonal_only:  # a diagonal pair's pipeline transposes V itself
 
         @pl.when(
-            jnp.logical_and(masked_step, jnp.logical_not(on_diagonal)) if diagonal else masked_step
+            jnp.logical_and(masked_step, jnp.logical_not(own_pipeline)) if diagonal else masked_step
         )
         def _transpose_v():
             transpose_v()
@@ -498,34 +505,41 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             prm, row + prm.q_offset, qvalid, None, kidx, kvalid if kv_tail else None, None
         )
 
-    def diagonal_mask():
+    def diagonal_mask(edge=False):
         """(ck, lc): which of a diagonal range's keys each lane's row sees
-        (key offset <= row offset in the unit; a chunk holds whole units)."""
+        (key offset <= row offset in the unit; a chunk holds whole units);
+        edge: of the range a window's far edge cuts (key offset > row's)."""
         lane = lax.broadcasted_iota(jnp.int32, (1, lc), 1)
         rel = lax.rem(lane, unit) if lc > unit else lane
-        return lax.broadcasted_iota(jnp.int32, (ck, lc), 0) <= rel
+        kr = lax.broadcasted_iota(jnp.int32, (ck, lc), 0)
+        return kr > rel if edge else kr <= rel
 
     def chunk_scores(a, l0, s_buf, keys=None, row0=0, span=None):
         """Scores of a chunk into s_buf (from row row0); returns its (m_new,
         alpha). keys: (k0, ck), that key range of a masked pair, the mask
-        applied. span: a diagonal pair's chunk (see diagonal_pair): keys
-        0:span, the last ck of them on the diagonal."""
+        applied. span: (lo, hi, edge), a chunk of a pair on the diagonal or
+        on a window's far edge (see diagonal_pair): keys lo:hi, the last ck
+        of them on the diagonal, or (edge) the first ck on the window's edge."""
         if keys is not None:
             k = _keys(k_ref, *keys)
         else:
-            k = k_ref[...] if span is None else k_ref[0:span, :]
+            k = k_ref[...] if span is None else k_ref[span[0] : span[1], :]
         s = lax.dot_general(k, chunk_q(a, l0), NT_DIMS, preferred_element_type=jnp.float32)
         if not fold:
             s, _ = _logits(prm, s)
         if keys is not None:
             s = jnp.where(chunk_mask(a, l0, *keys), s, NEG_INF)
         if span is not None:
-            below, tri = s[: span - ck], jnp.where(diagonal_mask(), s[span - ck :], NEG_INF)
-            s_buf[span - ck : span, :] = tri
+            lo, hi, edge = span
+            t0 = lo if edge else hi - ck  # the masked range's first key
+            tri = jnp.where(diagonal_mask(edge), s[t0 - lo : t0 - lo + ck], NEG_INF)
+            s_buf[t0 : t0 + ck, :] = tri
             row_max = jnp.max(tri, axis=0, keepdims=True)
-            if span > ck:
-                s_buf[0 : span - ck, :] = below
-                row_max = jnp.maximum(row_max, jnp.max(below, axis=0, keepdims=True))
+            w0, w1 = (t0 + ck, hi) if edge else (lo, t0)  # the whole keys
+            if w1 > w0:
+                whole = s[w0 - lo : w1 - lo]
+                s_buf[w0:w1, :] = whole
+                row_max = jnp.maximum(row_max, jnp.max(whole, axis=0, keepdims=True))
         else:
             s_buf[row0 : row0 + s.shape[0], :] = s
             row_max = jnp.max(s, axis=0, keepdims=True)
@@ -536,16 +550,19 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     def chunk_update(a, l0, s_buf, m_new, alpha, keys=None, row0=0, span=None):
         acc = acc_ref[a, :, l0 : l0 + lc] * alpha
-        if keys is None:  # a diagonal chunk's rows each see a key: no empty row
-            k_lo, span = 0, span or g.block_kv
-            step = math.gcd(kc, span)
+        if keys is None:  # s_buf's rows are the block's keys lo:hi
+            lo, hi, empty_rows = span or (0, g.block_kv, False)
+            steps = range(lo, hi, math.gcd(kc, hi - lo))
         else:
             k_lo, span = keys
-            step = span
+            steps, empty_rows = range(0, span, span), True
         m = m_new
-        if keys is not None:  # a row that saw nothing yet: its masked s - m is 0
+        # A row that saw nothing yet (a masked range's, a window edge's; a
+        # diagonal chunk's rows each see a key): its masked s - m is 0.
+        if empty_rows:
             m = jnp.where(m_new < 0.5 * NEG_INF * (prm.scale if fold else 1.0), 0.0, m_new)
-        for k0 in range(0, span, step):
+        step = steps.step
+        for k0 in steps:
             s = s_buf[row0 + k0 : row0 + k0 + step, :]
             if fold:  # m is in logit units: exp(s * scale - m) as one exp2
                 p = jnp.exp2(s * (prm.scale * LOG2E) - m * LOG2E)
@@ -598,7 +615,14 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     ck = prm.sub[1] if prm.sub is not None else g.block_kv
 
     def diagonal_pair():
-        chunk_pipeline([(a, r * lc, (a + 1) * ck) for a in range(units) for r in range(per)])
+        chunk_pipeline(
+            [(a, r * lc, (0, (a + 1) * ck, False)) for a in range(units) for r in range(per)]
+        )
+
+    def far_edge_pair():
+        chunk_pipeline(
+            [(a, r * lc, (a * ck, g.block_kv, True)) for a in range(units) for r in range(per)]
+        )
 
     def masked_range(a, k0):
         """One key range's pipeline over unit a's lane chunks, chunk r in
@@ -677,11 +701,13 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     if diagonal_only:
         masked_pair = diagonal_pair
     elif diagonal:
-        edge_pair = masked_pair
+        cut_pair = masked_pair
 
         def masked_pair():
             pl.when(on_diagonal)(diagonal_pair)
-            pl.when(jnp.logical_not(on_diagonal))(edge_pair)
+            if far_edge:
+                pl.when(on_far_edge)(far_edge_pair)
+            pl.when(jnp.logical_not(own_pipeline))(cut_pair)
 
     _unit_pairs(prm, i, j, flags, tile, full_pair, masked_pair if pipelined else None)
 
