@@ -410,11 +410,15 @@ def _dkdv_kernel(
             for hh in range(gb)
             for off in range(max(c * ck - d, 0), br, lc)
         ]
-        produce(chunks[0][0], bufs[0], chunks[0][1], diagonal=d)
-        for n, (c, keys) in enumerate(chunks):
-            if n + 1 < len(chunks):
-                produce(chunks[n + 1][0], bufs[(n + 1) % 2], chunks[n + 1][1], diagonal=d)
-            consume(c, bufs[n % 2], keys)
+        n = len(chunks)  # a step of every chunk: no loop, one basic block
+        _two_buffer_pipeline(
+            n,
+            n,
+            lambda k, r: chunks[r],
+            lambda ck_, buf: produce(ck_[0], buf, ck_[1], diagonal=d),
+            lambda ck_, buf: consume(ck_[0], buf, ck_[1]),
+            bufs,
+        )
 
     def diagonal_pairs():
         """The variant of this pair's d (pairs on the diagonal have -br < d <
