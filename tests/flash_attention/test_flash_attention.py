@@ -1158,19 +1158,24 @@ def test_long_sequences_take_the_long_table_entry():
     assert fwd("tpu7x", 8192, 8192) == fwd("tpu7x", 2048, 2048)  # no long entry: prefill's
 
 
-def test_a_table_entry_over_budget_shrinks_only_the_kernels_that_are_over(monkeypatch):
-    """A backward that needs smaller key blocks must not take the forward's with it."""
-    key = ("tpu7x", "prefill", 128)
-    entry = dataclasses.replace(tiling.BLOCK_TABLE[key], block_kv=1024, block_kv_bwd=1024)
-    monkeypatch.setitem(tiling.BLOCK_TABLE, key, entry)
-    kw = dict(q_len=2048, kv_len=2048, group=4, head_dim=128, head_dim_v=128, itemsize=2)
+def test_a_table_entry_over_budget_shrinks_only_the_kernels_that_are_over():
+    """A backward that needs smaller key blocks must not take the forward's
+    with it, and a fused plan is not held back by the dQ kernel it never launches."""
+    entry = tiling.BLOCK_TABLE[("tpu7x", "prefill", 128)]
+    assert entry.block_kv == entry.block_kv_bwd == 1024
+    kw = dict(group=4, head_dim=128, head_dim_v=128, itemsize=2)
     budget = tiling.VMEM_BUDGET_BYTES["tpu7x"]
-    rows = 4 * entry.block_q_bwd
-    assert tiling.dkdv_vmem_bytes(rows, 1024, 128, 128, 2) > budget  # the premise
-    assert tiling.fwd_vmem_bytes(rows, 1024, 128, 128, 2) <= budget
-    p = tiling.plan(generation="tpu7x", **kw)
+    for t in (4096, 8192):
+        p = tiling.plan(generation="tpu7x", q_len=t, kv_len=t, **kw)
+        assert (p.fwd.block_kv, p.dkdv.block_kv, p.fuse_dq) == (1024, 1024, True), t
+        assert tiling.dq_vmem_bytes(p.dq.rows, 1024, 128, 128, 2) > budget  # unlaunched
+        assert [k for k, _ in p.vmem_needs(**kw)] == ["forward", "dK/dV"]
+    # 16k: the kv head's dQ no longer fits beside 1024-key blocks, nor do a
+    # dQ kernel's blocks of 1024 keys
+    p = tiling.plan(generation="tpu7x", q_len=16384, kv_len=16384, **kw)
     assert p.fwd.block_kv == 1024
     assert p.dkdv.block_kv == p.dq.block_kv == 512
+    assert p.fuse_dq
 
 
 def test_block_sizes_validation():

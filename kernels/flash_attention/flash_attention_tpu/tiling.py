@@ -90,7 +90,10 @@ DECODE_MAX_Q_LEN = 128
 # heads: 2k tokens 375 -> 422 us with 1024-key blocks, 8k 3,981 -> 3,692);
 # at d=128 its backward does too, halving the steps whose fixed cost (~320
 # bundles of scalar pipeline work) each pays (8k: dK/dV 2,821 -> 2,740 us,
-# dQ 2,132 -> 1,997). tpu7x's smaller VMEM holds no 1024-key dK/dV block.
+# dQ 2,132 -> 1,997). tpu7x takes them at every length (its prefill entry)
+# where the dK/dV kernel fuses dQ (up to 8k at 32/8 heads; beyond, the plan
+# halves them): d=128 causal dK/dV with dQ, 2k 213.3 -> 205.0 us, 4k 728.9
+# -> 684.1, 8k 2,705.4 -> 2,514.8.
 LONG_MIN_KV_LEN = 4096
 
 LANES = 128
@@ -167,7 +170,7 @@ BLOCK_TABLE = {
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
-    ("tpu7x", "prefill", 128): _b(1024, 1024, 512, 512, slab=1024, fwd_rows=4096),
+    ("tpu7x", "prefill", 128): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
     ("tpu7x", "prefill", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
     ("tpu7x", "prefill", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
     ("tpu7x", "decode", 128): _b(64, 4096, 64, 1024, 1024),
@@ -388,10 +391,11 @@ class Plan:
     segmented: bool = False  # segment ids or positions: masked pairs run whole-block tiles
 
     def vmem_needs(self, group, head_dim, head_dim_v, itemsize):
-        """((kernel, bytes), ...): the VMEM each of the three kernels needs."""
+        """((kernel, bytes), ...): the VMEM each kernel the plan launches needs
+        (the dQ kernel only when dQ is not fused)."""
         fwd, dkdv, dq = self.fwd, self.dkdv, self.dq
         unit = _unit_rows(fwd, self.slab_rows, group)
-        return (
+        needs = (
             (
                 "forward",
                 fwd_vmem_bytes(fwd.rows, fwd.block_kv, head_dim, head_dim_v, itemsize, unit),
@@ -411,6 +415,7 @@ class Plan:
             ),
             ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
         )
+        return needs[:2] if self.fuse_dq else needs
 
 
 def _unit_rows(geom: Geometry, slab_rows: int, group: int) -> int:
@@ -471,20 +476,26 @@ def plan(
             max_rows=bs.max_rows,
         )
         p = Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows, segmented=segmented)
-        needs = p.vmem_needs(group, head_dim, head_dim_v, itemsize)
         budget = VMEM_BUDGET_BYTES[generation]
-        over = [(k, n) for k, n in needs if n > budget]
-        if not over:
-            # dQ in the dK/dV kernel when the kv head's dQ fits beside it, and
-            # delta too when O's blocks and the head's delta rows also fit
-            for fused in (
+        # dQ in the dK/dV kernel when the kv head's dQ fits beside it, and
+        # delta too when O's blocks and the head's delta rows also fit. A
+        # fused plan launches no dQ kernel, so the dQ kernel's own blocks need
+        # not fit: tpu7x's 1024-key dK/dV blocks fuse up to 8k, where a dQ
+        # kernel with them would not fit.
+        fused = (
+            (
                 dataclasses.replace(p, fuse_dq=True, own_delta=True),
                 dataclasses.replace(p, fuse_dq=True),
-            ):
-                need = dict(fused.vmem_needs(group, head_dim, head_dim_v, itemsize))["dK/dV"]
-                if bs.fuse_dq and need <= budget:
-                    return fused
-            return p
+            )
+            if bs.fuse_dq
+            else ()
+        )
+        for candidate in (*fused, p):
+            needs = candidate.vmem_needs(group, head_dim, head_dim_v, itemsize)
+            over = [(k, n) for k, n in needs if n > budget]
+            if not over:
+                return candidate
+        # `over` is the unfused plan's, which launches all three kernels
         if explicit:
             check_vmem(*over[0], generation)
         # Shrink the table entry: keys first (no effect on HBM re-reads of K/V),
