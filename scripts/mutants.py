@@ -747,10 +747,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-bwd-window-edge-pairs-skipped",
         FA_BWD,
-        "            pl.when(jnp.logical_or(d_now < ds[0], d_now > ds[-1]))(masked_pair)",
-        "            pass",
+        "                    pl.when(d_now - prm.left == e)(functools.partial(far_edge_pair, e))",
+        "                    pass",
         (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
         "dK/dV, windowed: the pairs the window's far edge cuts are never computed",
+    ),
+    Mutant(
+        "fa-bwd-far-edge-triangle-shut",
+        FA_BWD,
+        "(kc, w), 0) >= lane + (off + e - k0)",
+        "(kc, w), 0) > lane + (off + e - k0)",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "dK/dV, windowed: the far edge's first visible key of each row gets no gradient",
+    ),
+    Mutant(
+        "fa-bwd-far-edge-rows-cut-short",
+        FA_BWD,
+        "tiling._round_up(c * ck + ck - e, tiling.LANES)",
+        "tiling._round_up(c * ck + ck - e - 128, tiling.LANES)",
+        (f"{T_FA}::test_masked_pair_pipelines_match_reference",),
+        "dK/dV, windowed: a far-edge key range skips the last rows that see it",
     ),
     Mutant(
         "fa-bwd-dq-written-early",

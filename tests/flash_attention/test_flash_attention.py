@@ -435,9 +435,11 @@ MASKED_PIPELINES = {
     # rows start mid-chunk, and its last chunk is narrower); 512-row blocks
     # of 1024 keys put a pair's first row 0 or 512 positions past its first
     # key (two static variants). A window of more than two blocks leaves the
-    # diagonal pairs whole triangles: they take these pipelines, the pairs
-    # its far edge cuts the masked-range ones, or in the forward, where the
-    # window is whole kv blocks (1024 keys here), the diagonal's mirror.
+    # diagonal pairs whole triangles: they take these pipelines, and the
+    # pairs its far edge cuts the diagonal's mirror in the dK/dV kernel (one
+    # static variant per offset: 2 at 512 x 512, 3 at 512 x 1024 with a
+    # 1700-key window), in the forward where the window is whole kv blocks
+    # (1024 keys here), else the masked-range pipelines.
     "diagonal-heads-in-a-chunk": ((8, 512, 512, 128, (-1, 0), 512, 512), (512, 2, 512, 4)),
     "diagonal-offset": ((4, 512, 512, 256, (-1, 0), 512, 1024), (512, 2, 512, 4)),
     "diagonal-two-chunks-a-head": ((2, 1024, 1024, 256, (-1, 0), 2048, 2048), (512, 1, 512, 4)),
@@ -446,6 +448,10 @@ MASKED_PIPELINES = {
     "diagonal-and-window-of-whole-blocks": (
         (4, 512, 512, 256, (1023, 0), 2048, 2048),
         (512, 2, 512, 4),
+    ),
+    "diagonal-two-offsets-and-window-edge": (
+        (2, 512, 1024, 256, (1700, 0), 3072, 3072),
+        (512, 1, 512, 2),
     ),
 }
 

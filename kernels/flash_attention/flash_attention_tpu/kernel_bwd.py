@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import schedule as bsched
+from . import tiling
 from .kernel_fwd import (
     LOG2E,
     NN_DIMS,
@@ -272,10 +273,21 @@ def _dkdv_kernel(
         lane = lax.broadcasted_iota(jnp.int32, (1, w), 1)
         return lax.broadcasted_iota(jnp.int32, (kc, w), 0) <= lane + (off + d - k0)
 
-    def produce(c, bufs, keys=None, first=False, diagonal=None):
+    def far_edge_mask(c, k0, kc, e):
+        """(kc, lanes) visibility of keys k0:k0+kc to chunk c's rows in a
+        pair a window's far edge cuts, where row r sees the pair's keys from
+        r + e on (key >= position - left), None where every entry is
+        visible: the diagonal's mirror."""
+        off, w = c[1], width(c)
+        if off + w - 1 + e <= k0:
+            return None
+        lane = lax.broadcasted_iota(jnp.int32, (1, w), 1)
+        return lax.broadcasted_iota(jnp.int32, (kc, w), 0) >= lane + (off + e - k0)
+
+    def produce(c, bufs, keys=None, first=False, triangle=None):
         """P and dS of chunk c into bufs; keys=(k0, kc): that key range of a
-        masked pair, the mask applied (diagonal=d: a diagonal pair's static
-        one, see diagonal_pair). first: derive the chunk's delta too."""
+        masked pair, the mask applied (triangle: a static one, triangle(c,
+        k0, kc), see diagonal_pair). first: derive the chunk's delta too."""
         q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
         lse = chunk_lane_row(c, lse_ref)
         if first:
@@ -289,10 +301,10 @@ def _dkdv_kernel(
         mask = None
         if keys is not None:
             k0, kc = keys
-            if diagonal is None:
+            if triangle is None:
                 mask = chunk_mask(c, k0, kc)
             else:
-                mask = diagonal_mask(c, k0, kc, diagonal)
+                mask = triangle(c, k0, kc)
             k, v = _keys(k_ref, k0, kc), _keys(v_ref, k0, kc)
             if q_tail:
                 q, do = zero_tail_rows(c, q, do)
@@ -312,7 +324,7 @@ def _dkdv_kernel(
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
-        if mask is not None and diagonal is None:  # keys past the end: dP from unspecified V
+        if mask is not None and triangle is None:  # keys past the end: dP from unspecified V
             ds = jnp.where(mask, ds, 0.0)  # 0 * inf in dS
         n, w = k.shape[0], width(c)
         bufs[0][0:n, 0:w] = p.astype(bufs[0].dtype)
@@ -389,7 +401,9 @@ def _dkdv_kernel(
     # positions. Key ranges over the whole block computed the hidden rows
     # too (a 512-position pair of 256-key ranges: 4 lane widths of 3
     # needed) and the mask from positions: tpu7x 8k d=128 dK/dV 2,815.3 ->
-    # 2,705.4 us. A window's far edge keeps the masked-range pipelines.
+    # 2,705.4 us. A pair a window's far edge cuts is the mirror: row r sees
+    # its keys from r + e on, e = d - left, so key range c is visible to the
+    # rows up to c ck + ck - 1 - e, a triangle at their far end (far_edge_pair).
     ck = prm.sub[1] if prm.sub is not None else bkv
     step_d = math.gcd(br, bkv)
     diagonal_only = (
@@ -410,19 +424,37 @@ def _dkdv_kernel(
             for hh in range(gb)
             for off in range(max(c * ck - d, 0), br, lc)
         ]
+        static_pair(chunks, functools.partial(diagonal_mask, d=d))
+
+    def static_pair(chunks, triangle):
         n = len(chunks)  # a step of every chunk: no loop, one basic block
         _two_buffer_pipeline(
             n,
             n,
             lambda k, r: chunks[r],
-            lambda ck_, buf: produce(ck_[0], buf, ck_[1], diagonal=d),
+            lambda ck_, buf: produce(ck_[0], buf, ck_[1], triangle=triangle),
             lambda ck_, buf: consume(ck_[0], buf, ck_[1]),
             bufs,
         )
 
+    def far_edge_pair(e):
+        """Each key range over the rows that see any of it, lane-aligned (the
+        rows past them see none of the range: the triangle hides them)."""
+        chunks = [
+            ((hh, off, min(lc, hi - off)), (c * ck, ck))
+            for c in range(bkv // ck)
+            for hi in [min(br, tiling._round_up(c * ck + ck - e, tiling.LANES))]
+            for hh in range(gb)
+            for off in range(0, hi, lc)
+        ]
+        static_pair(chunks, functools.partial(far_edge_mask, e=e))
+
     def diagonal_pairs():
         """The variant of this pair's d (pairs on the diagonal have -br < d <
-        bkv - 1); a window's far edge: the masked-range pipelines."""
+        bkv - 1), or of e = d - left for the pairs a window's far edge cuts
+        (-br + 1 < e < bkv: those whose last row misses a key and first row
+        sees one). Masked pairs are exactly these two kinds here
+        (schedule.py: MASK iff not every entry is visible)."""
         d_now = i * br + prm.q_offset - j * bkv
         ds = range(-br + step_d, bkv - 1, step_d)
         if len(ds) == 1 and prm.left >= bsched.UNBOUNDED:
@@ -431,7 +463,9 @@ def _dkdv_kernel(
         for d in ds:
             pl.when(d_now == d)(functools.partial(diagonal_pair, d))
         if prm.left < bsched.UNBOUNDED:
-            pl.when(jnp.logical_or(d_now < ds[0], d_now > ds[-1]))(masked_pair)
+            for e in range(-br + 2, bkv):
+                if (e + prm.left) % step_d == 0:
+                    pl.when(d_now - prm.left == e)(functools.partial(far_edge_pair, e))
 
     pipelined = n_chunks > 1
     if own_delta:  # a first pair that no full pipeline runs: the block's delta at once
