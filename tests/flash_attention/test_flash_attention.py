@@ -438,7 +438,7 @@ MASKED_PIPELINES = {
     # diagonal pairs whole triangles: they take these pipelines, and the
     # pairs its far edge cuts the diagonal's mirror in the dK/dV kernel (one
     # static variant per offset: 2 at 512 x 512, 3 at 512 x 1024 with a
-    # 1700-key window), in the forward where the window is whole kv blocks
+    # (1700, 0) window), in the forward where the window is whole kv blocks
     # (1024 keys here), else the masked-range pipelines.
     "diagonal-heads-in-a-chunk": ((8, 512, 512, 128, (-1, 0), 512, 512), (512, 2, 512, 4)),
     "diagonal-offset": ((4, 512, 512, 256, (-1, 0), 512, 1024), (512, 2, 512, 4)),
