@@ -218,11 +218,9 @@ ESTIMATE_POINTS = [
 def _estimate(point):
     """The point's plan and the VMEM its kernel(s) need by tiling's estimate:
     the forward's alone, or the most any kernel of the training step needs."""
-    from flash_attention_tpu import tiling
-
     _, gen, d, t, kind = point
     group = HQ // HKV
-    plan = tiling.plan(
+    plan = fa_tiling.plan(
         generation=gen, q_len=t, kv_len=t, group=group, head_dim=d, head_dim_v=d, itemsize=2
     )
     needs = dict(plan.vmem_needs(group, d, d, 2))
