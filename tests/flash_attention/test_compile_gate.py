@@ -11,9 +11,9 @@ prefill points of one generation, head_dim and mask get the same blocks, so
 the 32k bwd program holds every launch of the others at other sequence
 lengths (and the fwd launch is the one its bwd makes): they are checked as
 covered by tracing (tests/gate.py) instead of compiled. Where the backward
-fuses dQ into the dK/dV kernel (tiling.Plan.fuse_dq: on v6e up to 32k at
-d <= 128, on tpu7x up to 16k) the longest fused bwd program covers the
-shorter fused ones instead,
+fuses dQ into the dK/dV kernel (tiling.Plan.fuse_dq: in VMEM on v6e up to
+32k at d <= 128, on tpu7x up to 8k; streamed through HBM beyond) the longest
+bwd program with the same dQ covers the shorter ones instead,
 so 35 points have no cover and compile, in a pool of worker processes (one
 per core). Measured alone on the shared 2-core machine (`time pytest` of
 this module): 17.5 CPU-minutes with 63 compiles and the session's compiler
@@ -93,8 +93,9 @@ def _cover_len(generation, head_dim, seq):
     1k points are covered by the 1k bwd program (fwd) or compile themselves
     (bwd); dQ fused into the dK/dV kernel (while the kv head's dQ fits in VMEM)
     makes another program, which covers the shorter fused ones (tests/gate.py:
-    its per-q-block dQ buffer is their buffer with more slots), and so does
-    delta derived in that kernel (it reads O in place of delta)."""
+    its per-q-block dQ buffer is their buffer with more slots), and so do dQ
+    streamed through HBM and delta derived in that kernel (it reads O in
+    place of delta)."""
     dclass = fa_tiling.head_dim_class(head_dim, head_dim)
 
     def key(s):
@@ -107,7 +108,12 @@ def _cover_len(generation, head_dim, seq):
             head_dim_v=head_dim,
             itemsize=2,
         )
-        return fa_tiling._entry(generation, s, s, dclass), plan.fuse_dq, plan.own_delta
+        return (
+            fa_tiling._entry(generation, s, s, dclass),
+            plan.fuse_dq,
+            plan.stream_dq,
+            plan.own_delta,
+        )
 
     return max(s for s in PREFILL if key(s) == key(seq))
 
@@ -203,7 +209,7 @@ def test_other_programs_compile(point, pool):
 
 # The tightest fused dK/dV plans no gate point compiles: dQ and delta in the
 # kernel at the longest lengths the chunk-sized temporaries let in
-# (test_flash_attention.py, test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem).
+# (test_flash_attention.py, test_plan_fuses_dq_in_vmem_while_the_kv_heads_dq_fits_else_streams_it).
 # tpu7x 8k d=256 (47.8 of 48 MiB) is left to its gate points, compiled at the
 # budget; the forward's estimate is checked once. In the pool: compiled in
 # this process, with the compiler's dumps on for bench's tests, they took

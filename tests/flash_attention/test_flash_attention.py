@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from flash_attention_tpu import schedule as bsched  # noqa: E402
 from flash_attention_tpu import checks, tiling  # noqa: E402
@@ -46,6 +47,17 @@ SLABBED = tiling.BlockSizes(
     block_q=256, block_kv=128, block_q_bwd=128, block_kv_bwd=128, slab_rows=64
 )
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+# Pallas' interpreter with each DMA run at its wait, not at its start: a read
+# issued before a write of the same memory has landed reads stale data, as
+# on a TPU (plain interpret=True runs every copy at once). For dQ streamed
+# through HBM (tiling.Plan.stream_dq), whose steps overlap reads and writes.
+ON_WAIT = pltpu.InterpretParams(dma_execution_mode="on_wait")
+# dQ: the separate kernel, fused in VMEM, fused and streamed through HBM.
+DQ_MODES = {
+    "dq-kernel": dict(fuse_dq=False),
+    "fused-dq": dict(fuse_dq=True),
+    "streamed-dq": dict(fuse_dq=True, stream_dq=True),
+}
 SCALES = [None, 0.05, 0.3]  # softmax_scale: default 1/sqrt(D), and two others
 
 
@@ -153,8 +165,12 @@ def _dense_case(
     segments=None,
     scale=None,
     block_sizes=SMALL,
+    interpret=None,
 ):
+    """interpret: None: ON_WAIT where dQ streams (block_sizes.stream_dq), else True."""
     dv = dv or d
+    if interpret is None:
+        interpret = ON_WAIT if block_sizes.stream_dq else True
     q, k, v, do, sinks = _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks)
     qs, ks = segments if segments is not None else (None, None)
     kw = dict(
@@ -168,7 +184,7 @@ def _dense_case(
 
     def kern(q, k, v, s):
         return fa.flash_attention(
-            q, k, v, sinks=s, config=block_sizes, interpret=True, return_lse=True, **kw
+            q, k, v, sinks=s, config=block_sizes, interpret=interpret, return_lse=True, **kw
         )
 
     def refn(q, k, v, s):
@@ -227,7 +243,8 @@ def dense_cases(draw):
         segments=segments,
         scale=draw(st.sampled_from(SCALES)),
         block_sizes=dataclasses.replace(
-            draw(st.sampled_from([SMALL, SUBTILED, SLABBED])), fuse_dq=draw(st.booleans())
+            draw(st.sampled_from([SMALL, SUBTILED, SLABBED])),
+            **DQ_MODES[draw(st.sampled_from(sorted(DQ_MODES)))],
         ),
     )
 
@@ -271,6 +288,45 @@ def test_softmax_scale_reaches_every_kernel(dtype, scale, fuse):
         softcap=5.0,
         scale=scale,
         block_sizes=dataclasses.replace(SMALL, fuse_dq=fuse),
+    )
+
+
+# dQ streamed through HBM (kernel_bwd.py: stream_dq), one f32 q block a step,
+# over the walks that stress its read/write ordering. name -> (group,
+# block_q_bwd, block_kv_bwd, window, sq, skv). Causal 128 x 128 blocks end
+# with q blocks n-1, n-2, n-1, n-1: a block read the step after another
+# block's write, one step after its own write (the read must wait for it),
+# and a block two steps running (kept in its slot). 256-position blocks of
+# 128 keys visit each q block from two kv blocks running; a window moves the
+# first q block of each kv block; sq > skv leaves the first q blocks without
+# a visible key (their dQ is 0: the buffer starts zeroed).
+STREAMED_WALKS = {
+    "read-after-write": (2, 128, 128, (-1, 0), 520, 520),
+    "same-block-twice": (4, 256, 128, (-1, 0), 600, 600),
+    "window": (2, 128, 256, (200, 0), 700, 700),
+    "rows-see-nothing": (2, 128, 128, (-1, 0), 400, 150),
+}
+
+
+@pytest.mark.parametrize("walk", sorted(STREAMED_WALKS))
+def test_streamed_dq_matches_reference(walk):
+    group, bq, bkv, window, sq, skv = STREAMED_WALKS[walk]
+    bs = tiling.BlockSizes(
+        block_q=128, block_kv=128, block_q_bwd=bq, block_kv_bwd=bkv, sub_block=128, stream_dq=True
+    )
+    kw = dict(q_len=sq, kv_len=skv, group=group, head_dim=64, head_dim_v=64, itemsize=4)
+    plan = tiling.plan(generation="v6e", block_sizes=bs, **kw)
+    assert (plan.fuse_dq, plan.stream_dq) == (True, True)
+    assert (plan.dkdv.block_pos, plan.dkdv.block_kv) == (bq, bkv)
+    _dense_case(
+        seed=len(walk),
+        hq=group,
+        hkv=1,
+        sq=sq,
+        skv=skv,
+        causal=True,
+        window=window,
+        block_sizes=bs,
     )
 
 
@@ -489,33 +545,49 @@ def test_masked_pair_pipelines_match_reference(case):
     )
 
 
-def test_plan_fuses_dq_while_the_kv_heads_dq_fits_in_vmem():
+def test_plan_fuses_dq_in_vmem_while_the_kv_heads_dq_fits_else_streams_it():
     # Dense calls pipeline every pair over 512-row lane chunks, so a dK/dV
     # step holds a chunk's temporaries; segmented (varlen) calls hold the
-    # whole block's in their masked pairs, and fuse less.
+    # whole block's in their masked pairs. dQ stays in VMEM while the kv
+    # head's fits beside the rest, else streams through HBM (three q block
+    # slots), before any block shrinks: tpu7x keeps 1024-key blocks from 16k.
     kw = dict(group=4, head_dim=128, head_dim_v=128, itemsize=2)
-    for gen, t, segmented, want, own in (
-        ("v6e", 8192, False, True, True),
-        ("v6e", 16384, False, True, True),
-        ("v6e", 32768, False, True, True),
-        ("v6e", 32768, True, False, False),
-        ("tpu7x", 8192, False, True, True),
-        ("tpu7x", 8192, True, True, False),  # O's blocks and delta rows do not fit beside dQ
-        ("tpu7x", 16384, False, True, True),
-        ("tpu7x", 16384, True, False, False),
-        ("tpu7x", 32768, False, False, False),
+    for gen, t, segmented, stream, own, bkv in (
+        ("v6e", 8192, False, False, True, 1024),
+        ("v6e", 32768, False, False, True, 1024),
+        ("v6e", 32768, True, True, True, 1024),
+        ("tpu7x", 8192, False, False, True, 1024),
+        # O's blocks and delta rows do not fit beside dQ; 1024 keys' whole-block
+        # temporaries fit with neither dQ
+        ("tpu7x", 8192, True, False, False, 512),
+        ("tpu7x", 16384, False, True, True, 1024),
+        ("tpu7x", 32768, False, True, True, 1024),
+        ("tpu7x", 32768, True, True, True, 512),
     ):
+        case = (gen, t, segmented)
         p = tiling.plan(generation=gen, q_len=t, kv_len=t, segmented=segmented, **kw)
-        assert (p.fuse_dq, p.own_delta) == (want, own), (gen, t, segmented)
+        assert (p.fuse_dq, p.stream_dq, p.own_delta, p.dkdv.block_kv) == (
+            True,
+            stream,
+            own,
+            bkv,
+        ), case
         rows = tiling.dkdv_tile_rows(p.dkdv, p.sub_block, segmented)
-        assert (p.dkdv.rows, rows) == (2048, 2048 if segmented else 512), (gen, t, segmented)
+        assert (p.dkdv.rows, rows) == (2048, 2048 if segmented else 512), case
         budget = tiling.VMEM_BUDGET_BYTES[gen]
-        fused = dataclasses.replace(p, fuse_dq=True, own_delta=False)
-        need = dict(fused.vmem_needs(4, 128, 128, 2))["dK/dV"]
-        assert (need <= budget) == want, (gen, t, segmented)
-        owned = dataclasses.replace(fused, own_delta=True)
-        need = dict(owned.vmem_needs(4, 128, 128, 2))["dK/dV"]
-        assert (need <= budget) == own, (gen, t, segmented)
+
+        def need(plan):
+            return dict(plan.vmem_needs(4, 128, 128, 2))["dK/dV"]
+
+        assert need(p) <= budget, case
+        resident = dataclasses.replace(p, stream_dq=False, own_delta=False)
+        assert (need(resident) <= budget) == (not stream), case
+        if not own:
+            assert need(dataclasses.replace(p, own_delta=True)) > budget, case
+        if bkv < 1024:  # the table's 1024 keys fit with no fused dQ at all
+            wide = tiling.geometry(512, 1024, q_len=t, kv_len=t, group=4, max_rows=p.dkdv.rows)
+            streamed = dataclasses.replace(p, dkdv=wide, stream_dq=True, own_delta=False)
+            assert need(streamed) > budget, case
 
 
 def test_calls_with_segments_plan_whole_block_temporaries(monkeypatch):
@@ -1176,9 +1248,9 @@ def test_a_table_entry_over_budget_shrinks_only_the_kernels_that_are_over():
         assert (p.fwd.block_kv, p.dkdv.block_kv, p.fuse_dq) == (1024, 1024, True), t
         assert tiling.dq_vmem_bytes(p.dq.rows, 1024, 128, 128, 2) > budget  # unlaunched
         assert [k for k, _ in p.vmem_needs(**kw)] == ["forward", "dK/dV"]
-    # 16k: the kv head's dQ no longer fits beside 1024-key blocks, nor do a
-    # dQ kernel's blocks of 1024 keys
-    p = tiling.plan(generation="tpu7x", q_len=16384, kv_len=16384, **kw)
+    # Segmented 8k (whole-block temporaries): 1024-key dK/dV blocks fit with
+    # no dQ in the kernel, in VMEM or streamed, nor do a dQ kernel's
+    p = tiling.plan(generation="tpu7x", q_len=8192, kv_len=8192, segmented=True, **kw)
     assert p.fwd.block_kv == 1024
     assert p.dkdv.block_kv == p.dq.block_kv == 512
     assert p.fuse_dq

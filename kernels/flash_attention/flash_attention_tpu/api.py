@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from . import checks, kernel_bwd, kernel_fwd, tiling
 from . import schedule as bsched
@@ -30,10 +31,11 @@ class _Static:
     fwd: KernelParams
     dkdv: KernelParams
     dq: KernelParams
-    interpret: bool
+    interpret: object  # False, True or a pltpu.InterpretParams (_interpret)
     batch_meta: bool  # segment/position arrays have a batch axis (else shared)
     fuse_dq: bool  # dK/dV's kernel computes dQ too (tiling.Plan.fuse_dq)
     own_delta: bool  # and delta, where nothing else needs it (tiling.Plan.own_delta)
+    stream_dq: bool  # and accumulates dQ in HBM (tiling.Plan.stream_dq)
 
 
 def _kernels_fwd(st, q5, k, v, sinks, aux):
@@ -67,6 +69,7 @@ def _kernels_bwd(st, q5, k, v, sinks, aux, o5, lse, do5, dlse):
         st.fuse_dq,
         o5 if own_delta else None,
         dlse if own_delta else None,
+        stream_dq=st.stream_dq,
     )
     if st.fuse_dq:
         dk, dv, dq5 = out
@@ -91,6 +94,13 @@ def _sink_grad(prm, sinks, lse, delta):
     sink = sinks.astype(jnp.float32).reshape(1, hkv, grp, 1)
     p_sink = jnp.exp(sink - lse)  # lse is finite whenever a sink exists
     return -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(hkv * grp)
+
+
+def _interpret(interpret):
+    """interpret as the kernels take it: a bool, or a pltpu.InterpretParams
+    (tests: DMAs run at their wait, so a read that overtakes a write reads
+    stale data, as on a TPU)."""
+    return interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
 
 
 def _band(causal, left, right):
@@ -270,10 +280,11 @@ def _dense_call(
         prm(plan.fwd, plan.slab_rows),
         prm(plan.dkdv),
         prm(plan.dq),
-        bool(interpret),
+        _interpret(interpret),
         has_seg,
         plan.fuse_dq,
         plan.own_delta,
+        plan.stream_dq,
     )
     kw = dict(
         q_offset=q_offset, group=grp, causal=causal, left=pb.left, right=pb.right, segmented=has_seg
@@ -380,10 +391,11 @@ def _varlen_call(
         prm(plan.fwd, plan.slab_rows),
         prm(plan.dkdv),
         prm(plan.dq),
-        bool(interpret),
+        _interpret(interpret),
         False,
         plan.fuse_dq,
         plan.own_delta,
+        plan.stream_dq,
     )
 
     # [T, H, D] <-> [1, H, T, D] kernel layout; per-row [H, T] <-> [1, H, T].
@@ -540,6 +552,8 @@ def flash_attention(
       attention across segments.
     config: None, a generation name ('v5e' | 'v6e' | 'tpu7x'; default: the
       attached TPU), or a tiling.BlockSizes; picks block sizes and the VMEM limit.
+    interpret: run the kernels in Pallas' interpreter (CPU): True, or a
+      pltpu.InterpretParams.
     Returns out [B, Hq, Sq, Dv] (and logsumexp [B, Hq, Sq] f32 with
     return_lse; +inf for rows that see no key).
     """

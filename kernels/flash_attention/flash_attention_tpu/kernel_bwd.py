@@ -57,6 +57,15 @@ from .kernel_fwd import (
 # would compute K q^T, V dO^T and exp again, 2 of its 3 matmuls, for the
 # same dS (v6e T = 8k causal d=128: dK/dV 2,850 + dQ 2,054 us -> 3,205).
 #
+# With `stream_dq` (tiling.plan: when the head's dQ does not fit, tpu7x
+# 32k: 64 MiB of 48) dQ^T accumulates in an f32 HBM buffer instead, a q
+# block's (Gb, D, br) at a time: each step reads its block into one of three
+# VMEM slots (the read issued a step ahead), adds to it and writes it back,
+# and XLA scales, transposes and casts the buffer once at the end. A step's
+# compute covers the block's read and write (tpu7x, 512 x 1024 blocks at
+# 32/8 heads: 1 MiB each way against ~5 us of MXU work); the dQ kernel it
+# replaces would compute K q^T, V dO^T and exp again.
+#
 # A fully visible pair runs as the forward's does, a two-buffer pipeline over
 # lane chunks of query rows (tiling.fwd_chunk_lanes): chunk c+1's logits and
 # dP, their exp and dS, stored as P and dS in the matmul dtype, while chunk
@@ -80,6 +89,7 @@ def _dkdv_kernel(
     fuse_dq: bool,
     own_delta: bool,
     has_dlse: bool,
+    stream_dq: bool = False,
 ):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]  # own_delta: O, not delta
@@ -87,13 +97,20 @@ def _dkdv_kernel(
     dlse_ref = refs.pop(0) if has_dlse else None  # own_delta: the lse cotangent's rows
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
+    if stream_dq:
+        refs.pop(0)  # the zeroed accumulator the output aliases
     dk_ref, dv_ref = refs[:2]
-    dq_hbm = refs.pop(2) if fuse_dq else None  # (B, Hkv, Gb, q blocks * br, D), in HBM
+    # (B, Hkv, Gb, q blocks * br, D), in HBM; stream_dq: (B, Hkv, q blocks, Gb, D, br) f32
+    dq_hbm = refs.pop(2) if fuse_dq else None
     # dk_acc: (D, bkv); dv_acc: (Dv, bkv); p_bufs, ds_bufs: 2 x (bkv, chunk lanes);
     # fused: dq_acc (q blocks, Gb, D, br) f32, kt (D, bkv), dq_out (2, Gb, br, D), sems (2,),
     # dq_done (1,) SMEM: q blocks of the head whose dQ is written
     dk_acc, dv_acc, p0, p1, ds0, ds1 = refs[2:8]
-    if fuse_dq:
+    # stream_dq: dq_acc (3, Gb, D, br) f32 slots, kt, read and write sems (3,)
+    # each, state (8,) SMEM (stream_dq_step)
+    if fuse_dq and stream_dq:
+        dq_acc, kt_ref, sem_r, sem_w, dq_state = refs[8:13]
+    elif fuse_dq:
         dq_acc, kt_ref, dq_out, dq_sems, dq_done = refs[8:13]
     o_ref = None
     if own_delta:  # delta_all: (q blocks, Gb, br) f32, each q block's delta rows
@@ -121,7 +138,13 @@ def _dkdv_kernel(
                 kt = jnp.where(_key_valid_row(prm, j, 0, bkv), kt, jnp.zeros_like(kt))
             kt_ref[...] = kt
 
-    if fuse_dq:
+    dq_here = None  # this step's q block's dQ^T accumulator, (Gb, D, br) f32
+    if fuse_dq and stream_dq:
+        release_dq, dq_here = _stream_dq_step(
+            sched_ref, step, i, flags, dq_acc, dq_hbm.at[bh[0], bh[1]], sem_r, sem_w, dq_state
+        )
+    elif fuse_dq:
+        dq_here = dq_acc.at[i]
 
         @pl.when(step == 0)
         def _init_dq():
@@ -151,9 +174,9 @@ def _dkdv_kernel(
         for hh in range(gb):
             part = dqt[:, hh * rc : (hh + 1) * rc]
             if rc == br:
-                dq_acc[i, hh] += part
+                dq_here[hh] += part
             else:
-                dq_acc[i, hh, :, pl.ds(r0, rc)] += part
+                dq_here[hh, :, pl.ds(r0, rc)] += part
 
     def add_kv(dvt, dkt, k0, ck):
         """dV^T, dK^T of keys k0:k0+ck of the block += dvt, dkt."""
@@ -349,10 +372,10 @@ def _dkdv_kernel(
             dqt = _dot_f32(kt, ds, NN_DIMS, interpret)
             hh, off = c[:2]
             if per:
-                dq_acc[i, hh, :, off : off + w] += dqt
+                dq_here[hh, :, off : off + w] += dqt
             else:
                 for t in range(lc // br):
-                    dq_acc[i, hh + t] += dqt[:, t * br : (t + 1) * br]
+                    dq_here[hh + t] += dqt[:, t * br : (t + 1) * br]
 
     bufs = ((p0, ds0), (p1, ds1))
 
@@ -497,13 +520,97 @@ def _dkdv_kernel(
         dk_ref[...] = jnp.transpose(dk_acc[...] * prm.scale).astype(dk_ref.dtype)
         dv_ref[...] = jnp.transpose(dv_acc[...]).astype(dv_ref.dtype)
 
-    if fuse_dq:
+    if fuse_dq and stream_dq:
+        release_dq()
+    elif fuse_dq:
 
         @pl.when(step == pl.num_programs(2) - 1)
         def _write_dq():
             dst = dq_hbm.at[bh[0], bh[1]]
             _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dst, dq_done, dq_acc.shape[0])
             _wait_dq_copies(prm, dq_out, dq_sems, dst)
+
+
+def _stream_dq_step(sched_ref, step, i, flags, slots, acc, sem_r, sem_w, state):
+    """The HBM round trip of a streamed dQ step (kernel comment: stream_dq).
+
+    Waits for this step's q block in its VMEM slot (reading it now if the
+    step before did not) and issues the next step's read; returns
+    (release, slot view): release() issues the block's write back.
+    Consecutive steps of one q block keep it in its slot (no DMA). Before a
+    read, the writes still in flight from the target slot and of the target
+    block are waited for, so a read never overtakes a write. state (SMEM):
+    [0] the next computing step's slot, [1] its read is issued, [2 + s] slot
+    s has a write in flight, [5 + s] to that q block.
+    """
+    n = pl.num_programs(2)
+    compute = _flag(flags, bsched.COMPUTE)
+    _, i_prev, f_prev = _decode(sched_ref, jnp.maximum(step - 1, 0))
+    _, i_next, f_next = _decode(sched_ref, jnp.minimum(step + 1, n - 1))
+    carry_in = (step > 0) & _flag(f_prev, bsched.COMPUTE) & (i_prev == i)
+    next_computes = (step + 1 < n) & _flag(f_next, bsched.COMPUTE)
+    carry_out = compute & next_computes & (i_next == i)
+
+    def read(blk, slot):
+        return pltpu.make_async_copy(acc.at[blk], slots.at[slot], sem_r.at[slot])
+
+    def write(blk, slot):
+        return pltpu.make_async_copy(slots.at[slot], acc.at[blk], sem_w.at[slot])
+
+    def settle(slot):
+        @pl.when(state[2 + slot] == 1)
+        def _():
+            write(0, slot).wait()  # a wait needs the copy's size and semaphore only
+            state[2 + slot] = 0
+
+    def settle_block(blk):
+        for s in range(slots.shape[0]):
+
+            @pl.when((state[2 + s] == 1) & (state[5 + s] == blk))
+            def _():
+                write(0, s).wait()
+                state[2 + s] = 0
+
+    def start_read(blk, slot):
+        settle(slot)
+        settle_block(blk)
+        read(blk, slot).start()
+
+    @pl.when(step == 0)
+    def _init():
+        for w in range(5):
+            state[w] = 0
+
+    cur = state[0]
+
+    @pl.when(compute & jnp.logical_not(carry_in))
+    def _acquire():
+        @pl.when(state[1] == 0)
+        def _():
+            start_read(i, cur)
+
+        read(0, cur).wait()
+        state[1] = 0
+
+    @pl.when(compute & next_computes & jnp.logical_not(carry_out))
+    def _prefetch():
+        start_read(i_next, lax.rem(cur + 1, slots.shape[0]))
+        state[1] = 1
+
+    def release():
+        @pl.when(compute & jnp.logical_not(carry_out))
+        def _():
+            write(i, cur).start()
+            state[2 + cur] = 1
+            state[5 + cur] = i
+            state[0] = lax.rem(cur + 1, slots.shape[0])
+
+        @pl.when(step == n - 1)
+        def _drain():
+            for s in range(slots.shape[0]):
+                settle(s)
+
+    return release, slots.at[cur]
 
 
 def _delta_row(o, do):
@@ -655,16 +762,33 @@ def _bwd_operands(prm, q5, k, v, do5, lse, delta, aux, outer_is_q, batch_meta):
 
 
 def dkdv_call(
-    prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta, fuse_dq, o5=None, dlse=None
+    prm,
+    q5,
+    k,
+    v,
+    do5,
+    lse,
+    delta,
+    aux,
+    sched,
+    interpret,
+    batch_meta,
+    fuse_dq,
+    o5=None,
+    dlse=None,
+    stream_dq=False,
 ):
     """(dk, dv), or (dk, dv, dq5) with fuse_dq. o5 (fused only) in place of
-    delta (None): the kernel derives delta itself, minus dlse if given."""
+    delta (None): the kernel derives delta itself, minus dlse if given.
+    stream_dq (fused only): dQ accumulates in HBM, not in VMEM."""
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
     gb = prm.heads_in_block
     own_delta = o5 is not None
     if own_delta and not fuse_dq:
         raise ValueError("o5: the dK/dV kernel derives delta only with fuse_dq")
+    if stream_dq and not fuse_dq:
+        raise ValueError("stream_dq: the dK/dV kernel streams dQ only with fuse_dq")
     args, specs, q_spec, kv_spec = _bwd_operands(
         prm, q5, k, v, do5, lse, o5 if own_delta else delta, aux, False, batch_meta
     )
@@ -683,7 +807,22 @@ def dkdv_call(
     ]
     scratch += [pltpu.VMEM((g.block_kv, lc), q5.dtype)] * 4  # P, P, dS, dS
     nq = g.num_q_blocks
-    if fuse_dq:  # dQ padded to whole q blocks (sliced below): every copy is a whole block
+    aliases = {}
+    if stream_dq:  # f32 dQ^T by q block, zeroed: q blocks no pair visits stay 0
+        acc_shape = (b, hkv, nq, gb, prm.head_dim, g.block_pos)
+        aliases = {1 + len(args): len(out_shape)}  # after the schedule and the inputs
+        args.append(jnp.zeros(acc_shape, jnp.float32))
+        specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        out_shape.append(jax.ShapeDtypeStruct(acc_shape, jnp.float32))
+        out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        scratch += [
+            pltpu.VMEM((3, gb, prm.head_dim, g.block_pos), jnp.float32),
+            pltpu.VMEM((prm.head_dim, g.block_kv), k.dtype),
+            pltpu.SemaphoreType.DMA((3,)),
+            pltpu.SemaphoreType.DMA((3,)),
+            pltpu.SMEM((8,), jnp.int32),
+        ]
+    elif fuse_dq:  # dQ padded to whole q blocks (sliced below): every copy is a whole block
         out_shape.append(
             jax.ShapeDtypeStruct(q5.shape[:3] + (nq * g.block_pos, prm.head_dim), q5.dtype)
         )
@@ -704,6 +843,7 @@ def dkdv_call(
         fuse_dq=fuse_dq,
         own_delta=own_delta,
         has_dlse=has_dlse,
+        stream_dq=stream_dq,
     )
     out = pl.pallas_call(
         kernel,
@@ -716,9 +856,14 @@ def dkdv_call(
             scratch_shapes=scratch,
         ),
         compiler_params=_compiler_params(prm),
+        input_output_aliases=aliases,
         interpret=interpret,
         name="flash_attention_dkdv",
     )(sched, *args)
+    if stream_dq:  # (B, Hkv, nq, Gb, D, br) -> (B, Hkv, Gb, T, D), one XLA pass
+        dq = jnp.swapaxes(out[2] * prm.scale, -1, -2).transpose(0, 1, 3, 2, 4, 5)
+        dq = dq.reshape(q5.shape[:3] + (nq * g.block_pos, prm.head_dim))
+        return out[0], out[1], dq[:, :, :, : q5.shape[3]].astype(q5.dtype)
     if fuse_dq and nq * g.block_pos != q5.shape[3]:
         return out[0], out[1], out[2][:, :, :, : q5.shape[3]]
     return out

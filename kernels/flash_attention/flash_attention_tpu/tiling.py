@@ -112,8 +112,11 @@ class BlockSizes:
       edges): only sub-tiles holding a visible entry reach the MXU.
     slab_rows: forward only: matmul rows whose scores one loop step computes
       in a fully visible pair (0: the whole block at once). See slab().
-    fuse_dq: let the dK/dV kernel compute dQ too when the kv head's dQ fits
-      in VMEM beside it (Plan.fuse_dq); False: always the separate dQ kernel.
+    fuse_dq: let the dK/dV kernel compute dQ too (Plan.fuse_dq), in VMEM
+      when the kv head's dQ fits beside it, else streamed through HBM where
+      that fits; False: always the separate dQ kernel.
+    stream_dq: stream a fused dQ through HBM even where it would fit in VMEM
+      (tests of the streamed path on small shapes).
     """
 
     block_q: int
@@ -125,10 +128,12 @@ class BlockSizes:
     slab_rows: int = 0
     max_rows_fwd: int = 0
     fuse_dq: bool = True
+    stream_dq: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.fuse_dq, bool):
-            raise ValueError(f"fuse_dq: expected a bool, got {self.fuse_dq!r}")
+        for name in ("fuse_dq", "stream_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if not isinstance(self.slab_rows, int) or self.slab_rows < 0 or self.slab_rows % 8:
             raise ValueError(
                 f"slab_rows: expected 0 or a positive multiple of 8, got {self.slab_rows!r}"
@@ -348,6 +353,12 @@ def fused_dq_vmem_bytes(geom, d, itemsize):
     return geom.num_q_blocks * geom.rows * d * 4 + (geom.block_kv + 2 * geom.rows) * d * itemsize
 
 
+def streamed_dq_vmem_bytes(geom, d, itemsize):
+    """What dK/dV's dQ streamed through HBM adds: three f32 q block slots, K^T."""
+    d = _lanes(d)
+    return 3 * geom.rows * d * 4 + geom.block_kv * d * itemsize
+
+
 def own_delta_vmem_bytes(geom, dv, itemsize):
     """What a fused dK/dV kernel deriving delta adds: O's blocks in place of
     delta's, and the kv head's f32 delta rows."""
@@ -387,6 +398,7 @@ class Plan:
     sub_block: int
     slab_rows: int = 0
     fuse_dq: bool = False  # the dK/dV kernel computes dQ too (no dQ kernel)
+    stream_dq: bool = False  # and accumulates it in HBM (the head's does not fit in VMEM)
     own_delta: bool = False  # and derives delta = rowsum(dO * O) itself (no XLA pass)
     segmented: bool = False  # segment ids or positions: masked pairs run whole-block tiles
 
@@ -410,12 +422,17 @@ class Plan:
                     itemsize,
                     dkdv_tile_rows(dkdv, self.sub_block, self.segmented),
                 )
-                + (fused_dq_vmem_bytes(dkdv, head_dim, itemsize) if self.fuse_dq else 0)
+                + (self._dq_vmem_bytes(head_dim, itemsize) if self.fuse_dq else 0)
                 + (own_delta_vmem_bytes(dkdv, head_dim_v, itemsize) if self.own_delta else 0),
             ),
             ("dQ", dq_vmem_bytes(dq.rows, dq.block_kv, head_dim, head_dim_v, itemsize)),
         )
         return needs[:2] if self.fuse_dq else needs
+
+    def _dq_vmem_bytes(self, head_dim, itemsize):
+        if self.stream_dq:
+            return streamed_dq_vmem_bytes(self.dkdv, head_dim, itemsize)
+        return fused_dq_vmem_bytes(self.dkdv, head_dim, itemsize)
 
 
 def _unit_rows(geom: Geometry, slab_rows: int, group: int) -> int:
@@ -478,18 +495,18 @@ def plan(
         p = Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows, segmented=segmented)
         budget = VMEM_BUDGET_BYTES[generation]
         # dQ in the dK/dV kernel when the kv head's dQ fits beside it, and
-        # delta too when O's blocks and the head's delta rows also fit. A
-        # fused plan launches no dQ kernel, so the dQ kernel's own blocks need
-        # not fit: tpu7x's 1024-key dK/dV blocks fuse up to 8k, where a dQ
-        # kernel with them would not fit.
-        fused = (
-            (
-                dataclasses.replace(p, fuse_dq=True, own_delta=True),
-                dataclasses.replace(p, fuse_dq=True),
-            )
-            if bs.fuse_dq
-            else ()
+        # delta too when O's blocks and the head's delta rows also fit; else
+        # dQ streamed through HBM, before smaller blocks. A fused plan
+        # launches no dQ kernel, so the dQ kernel's own blocks need not fit:
+        # tpu7x's 1024-key dK/dV blocks fuse up to 8k, where a dQ kernel with
+        # them would not fit.
+        fused = tuple(
+            dataclasses.replace(p, fuse_dq=True, stream_dq=stream, own_delta=own)
+            for stream in ((True,) if bs.stream_dq else (False, True))
+            for own in (True, False)
         )
+        if not bs.fuse_dq:
+            fused = ()
         for candidate in (*fused, p):
             needs = candidate.vmem_needs(group, head_dim, head_dim_v, itemsize)
             over = [(k, n) for k, n in needs if n > budget]
