@@ -170,7 +170,7 @@ def _dense_case(
     """interpret: None: ON_WAIT where dQ streams (block_sizes.stream_dq), else True."""
     dv = dv or d
     if interpret is None:
-        interpret = ON_WAIT if block_sizes.stream_dq else True
+        interpret = ON_WAIT if block_sizes is not None and block_sizes.stream_dq else True
     q, k, v, do, sinks = _inputs(seed, b, hq, hkv, sq, skv, d, dv, dtype, with_sinks)
     qs, ks = segments if segments is not None else (None, None)
     kw = dict(

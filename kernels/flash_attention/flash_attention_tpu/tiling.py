@@ -58,9 +58,13 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   every length, since its VMEM estimate counts a chunk's temporaries, not
   the block's (dK/dV with dQ fused, T = 8k causal, 32/8 heads, against
   256 x 512: d=256 5,014 -> 3,790 us, d=192 4,876 -> 3,552; d=256 at 2k
-  441 -> 360, 4k 1,420 -> 1,102, 16k 18,738 -> 13,987); tpu7x's 48 MiB
-  holds a 512-position d=256 block only without dQ, which scheduled slower
-  (8k: dK/dV 2,750 + dQ 2,251 against 4,284 fused).
+  441 -> 360, 4k 1,420 -> 1,102, 16k 18,738 -> 13,987). tpu7x's 48 MiB
+  holds a 512-position d=256 block beside neither the head's dQ nor a dQ
+  kernel's blocks, so it took 256 x 512 until dQ could stream through HBM
+  (Plan.stream_dq): dK/dV launch, 8k causal, 256 x 512 with dQ in VMEM
+  3,885 us, 512 x 512 streamed 3,634, 512 x 1024 streamed 3,312 (d=192
+  3,726 -> 2,973); training steps at d=256, 4k 1,438 -> 1,255 (dQ in VMEM
+  at 47.2 of 48 MiB), 8k 5,237 -> 4,874, 16k 22,806 -> 18,150.
 
 VMEM budgets are the scoped limits the kernels request: the project's one
 policy, torch_bindings/tpu_info.py (3/4 of a TensorCore's VMEM: v5e/v6e 96 of
@@ -176,8 +180,8 @@ BLOCK_TABLE = {
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
     ("tpu7x", "prefill", 128): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
-    ("tpu7x", "prefill", 192): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
-    ("tpu7x", "prefill", 256): _b(1024, 1024, 256, 512, slab=1024, fwd_rows=4096),
+    ("tpu7x", "prefill", 192): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
+    ("tpu7x", "prefill", 256): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
     ("tpu7x", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("tpu7x", "decode", 192): _b(64, 2048, 64, 1024, 1024),
     ("tpu7x", "decode", 256): _b(64, 2048, 64, 512, 1024),
