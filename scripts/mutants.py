@@ -753,6 +753,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "dK/dV, windowed: the pairs the window's far edge cuts are never computed",
     ),
     Mutant(
+        "fa-swapped-layout-never",
+        FA,
+        "return not seq_major and max(head_dim, head_dim_v) < tiling.LANES",
+        "return not seq_major and max(head_dim, head_dim_v) < 0",
+        (
+            f"{T_FA}::test_short_head_dims_reach_the_kernels_with_their_minor_axes_swapped",
+            "tests/flash_attention/test_compile_gate.py::"
+            "test_short_head_dims_cross_into_the_kernels_without_a_copy",
+        ),
+        "short head dims: row-major blocks again, each input and result copied by XLA",
+    ),
+    Mutant(
+        "fa-swapped-delta-over-positions",
+        FA_API,
+        "d_axis = -2 if st.dkdv.swapped else -1",
+        "d_axis = -1",
+        (f"{T_FA}::test_softmax_scale_reaches_every_kernel",),
+        "swapped layout, dQ kernel: delta = rowsum(dO * O) summed over positions, not D",
+    ),
+    Mutant(
+        "fa-swapped-output-one-head",
+        FA,
+        ":, hh * unit : (hh + 1) * unit",
+        ":, 0:unit",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "swapped layout, forward: every head of a block written with the first head's output",
+    ),
+    Mutant(
         "fa-bwd-stream-read-overtakes-write",
         FA_BWD,
         "        settle_block(blk)\n        read(blk, slot).start()",
@@ -958,8 +986,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-bwd-fused-dq-scale",
         FA_BWD,
-        "jnp.transpose(dq_acc[qi, hh] * prm.scale)",
-        "jnp.transpose(dq_acc[qi, hh] * prm.head_dim**-0.5)",
+        "dqt = dq_acc[qi, hh] * prm.scale",
+        "dqt = dq_acc[qi, hh] * prm.head_dim**-0.5",
         (FA_SCALE,),
         "fused dQ: softmax_scale ignored (1/sqrt(D) used)",
     ),
@@ -974,8 +1002,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fa-bwd-fused-dq-block",
         FA_BWD,
-        "dst = dq_hbm.at[:, pl.ds(pl.multiple_of(qi * br, br), br), :]",
-        "dst = dq_hbm.at[:, pl.ds(0, br), :]",
+        "rows = pl.ds(pl.multiple_of(qi * br, br), br)",
+        "rows = pl.ds(0, br)",
         (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
         "fused dQ: every q block's dQ written over the first block's rows",
     ),

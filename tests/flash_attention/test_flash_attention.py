@@ -28,10 +28,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from jax.extend import core as jax_core  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from flash_attention_tpu import schedule as bsched  # noqa: E402
-from flash_attention_tpu import checks, tiling  # noqa: E402
+from flash_attention_tpu import checks, kernel_fwd, tiling  # noqa: E402
 from flash_attention_tpu import api as fa  # noqa: E402
 from flash_attention_tpu import reference as ref  # noqa: E402
 from tolerances import ATTENTION_ROUNDINGS, assert_close, attention_magnitudes  # noqa: E402
@@ -588,6 +589,54 @@ def test_plan_fuses_dq_in_vmem_while_the_kv_heads_dq_fits_else_streams_it():
             wide = tiling.geometry(512, 1024, q_len=t, kv_len=t, group=4, max_rows=p.dkdv.rows)
             streamed = dataclasses.replace(p, dkdv=wide, stream_dq=True, own_delta=False)
             assert need(streamed) > budget, case
+
+
+def test_short_head_dims_reach_the_kernels_with_their_minor_axes_swapped():
+    # A TPU keeps an array whose minor dim is under 128 positions-minor; the
+    # kernels take such q/k/v-side arrays as (..., D, positions), a bitcast of
+    # that layout (test_compile_gate.py compiles one and finds no copy).
+    # Decode's rows interleave positions and heads, and D >= 128 stays row-major.
+    assert kernel_fwd.swapped_layout(64, 64, seq_major=False)
+    assert kernel_fwd.swapped_layout(96, 40, seq_major=False)
+    assert not kernel_fwd.swapped_layout(128, 128, seq_major=False)
+    assert not kernel_fwd.swapped_layout(64, 192, seq_major=False)
+    assert not kernel_fwd.swapped_layout(64, 64, seq_major=True)
+
+    def launches(d, sq):
+        q = jax.ShapeDtypeStruct((1, 4, sq, d), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, 2, 384, d), jnp.bfloat16)
+        loss = lambda q, k, v: jnp.sum(  # noqa: E731
+            fa.flash_attention(q, k, v, causal=True, config="v6e").astype(jnp.float32)
+        )
+        out = {}
+
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "pallas_call":
+                    info = eqn.params.get("name_and_src_info")
+                    name = getattr(info, "name", None) or eqn.params.get("name")
+                    out[name] = [tuple(v.aval.shape) for v in eqn.invars[1:5]]
+                for v in eqn.params.values():
+                    for sub in v if isinstance(v, (list, tuple)) else (v,):
+                        if isinstance(sub, jax_core.ClosedJaxpr):
+                            walk(sub.jaxpr)
+                        elif isinstance(sub, jax_core.Jaxpr):
+                            walk(sub)
+
+        walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr)
+        return out
+
+    # q (B, Hkv, G, D, T), k and v (B, Hkv, D, Skv), then dO or O
+    got = launches(64, 384)
+    assert set(got) == {"flash_attention_fwd", "flash_attention_dkdv"}
+    assert got["flash_attention_fwd"][:3] == [(1, 2, 2, 64, 384), (1, 2, 64, 384), (1, 2, 64, 384)]
+    assert got["flash_attention_dkdv"][:4] == [
+        (1, 2, 2, 64, 384),
+        (1, 2, 64, 384),
+        (1, 2, 64, 384),
+        (1, 2, 2, 64, 384),
+    ]
+    assert launches(128, 384)["flash_attention_fwd"][0] == (1, 2, 2, 384, 128)
 
 
 def test_calls_with_segments_plan_whole_block_temporaries(monkeypatch):

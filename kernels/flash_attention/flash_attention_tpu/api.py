@@ -50,7 +50,8 @@ def _kernels_bwd(st, q5, k, v, sinks, aux, o5, lse, do5, dlse):
     own_delta = st.own_delta and sinks is None  # the sinks' gradient needs delta
     delta = None
     if not own_delta:
-        delta = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=-1)
+        d_axis = -2 if st.dkdv.swapped else -1
+        delta = jnp.sum(do5.astype(jnp.float32) * o5.astype(jnp.float32), axis=d_axis)
         if dlse is not None:  # d(lse)/d(logits) = p: an lse cotangent folds into delta
             delta = delta - dlse.astype(jnp.float32)
     do5 = do5.astype(q5.dtype)
@@ -125,6 +126,7 @@ def _params(
     generation,
     sub_block,
     slab_rows=0,
+    swapped=False,
 ):
     left, right = _band(causal, pb.left, pb.right)
     slab = tiling.slab(geom, slab_rows, 1 if geom.seq_major else pb.group)
@@ -146,6 +148,7 @@ def _params(
         vmem_limit=tiling.VMEM_BUDGET_BYTES[generation],
         sub=sub,
         slab=slab,
+        swapped=swapped,
     )
 
 
@@ -259,6 +262,8 @@ def _dense_call(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(pb.head_dim)
     q_offset = pb.kv_len - pb.q_len
     grp = pb.group
+    seq_major = plan.fwd.seq_major
+    swapped = kernel_fwd.swapped_layout(pb.head_dim, pb.head_dim_v, seq_major)
 
     def prm(geom, slab_rows=0):
         return _params(
@@ -274,6 +279,7 @@ def _dense_call(
             generation=generation,
             sub_block=plan.sub_block,
             slab_rows=slab_rows,
+            swapped=swapped,
         )
 
     st = _Static(
@@ -296,18 +302,19 @@ def _dense_call(
         "sched_dkdv": jnp.asarray(sched_dkdv),
         "sched_dq": jnp.asarray(sched_dq),
     }
-    seq_major = plan.fwd.seq_major
     if seq_major:
         rows = jnp.arange(pb.q_len * grp, dtype=jnp.int32)
         aux["qpos"] = (rows // grp + q_offset)[None, None, :]
+    # swapped: (..., D, positions), a bitcast of the TPU's own layout of these arrays
+    swap = (lambda x: jnp.swapaxes(x, -1, -2)) if swapped else (lambda x: x)
     return _Call(
         pb,
         st,
         aux,
-        q_in=lambda x: _to_kernel_layout_q(x, hkv, seq_major),
-        q_out=lambda x: _from_kernel_layout_q(x, hq, seq_major),
-        kv_in=lambda x: x,
-        kv_out=lambda x: x,
+        q_in=lambda x: swap(_to_kernel_layout_q(x, hkv, seq_major)),
+        q_out=lambda x: _from_kernel_layout_q(swap(x), hq, seq_major),
+        kv_in=swap,
+        kv_out=swap,
         rows_in=lambda x: _to_kernel_layout_rows(x, hkv, seq_major),
         rows_out=lambda x: _from_kernel_layout_rows(x, hq, seq_major),
     )

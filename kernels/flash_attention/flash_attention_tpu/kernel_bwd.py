@@ -37,6 +37,7 @@ from .kernel_fwd import (
     _rows,
     _run_pair,
     _set_rows,
+    _swap_refs,
     _visible,
     _visible_chunks,
     _zero_tail_rows,
@@ -100,8 +101,17 @@ def _dkdv_kernel(
     if stream_dq:
         refs.pop(0)  # the zeroed accumulator the output aliases
     dk_ref, dv_ref = refs[:2]
-    # (B, Hkv, Gb, q blocks * br, D), in HBM; stream_dq: (B, Hkv, q blocks, Gb, D, br) f32
+    # (B, Hkv, Gb, q blocks * br, D) (swapped: (..., D, q blocks * br)), in
+    # HBM; stream_dq: (B, Hkv, q blocks, Gb, D, br) f32
     dq_hbm = refs.pop(2) if fuse_dq else None
+    k_swapped = v_swapped = None
+    if prm.swapped:  # K and V row-major, made once a kv block (they stay for its walk)
+        k_swapped, v_swapped = k_ref, v_ref
+        k_ref, v_ref = refs[-2:]
+        refs = refs[:-2]
+        q_ref, do_ref = _swap_refs(prm, q_ref, do_ref)
+        if own_delta:  # O's blocks
+            (delta_ref,) = _swap_refs(prm, delta_ref)
     # dk_acc: (D, bkv); dv_acc: (Dv, bkv); p_bufs, ds_bufs: 2 x (bkv, chunk lanes);
     # fused: dq_acc (q blocks, Gb, D, br) f32, kt (D, bkv), dq_out (2, Gb, br, D), sems (2,),
     # dq_done (1,) SMEM: q blocks of the head whose dQ is written
@@ -132,8 +142,11 @@ def _dkdv_kernel(
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        if prm.swapped:
+            k_ref[...] = jnp.transpose(k_swapped[...])
+            v_ref[...] = jnp.transpose(v_swapped[...])
         if fuse_dq:
-            kt = jnp.transpose(k_ref[...])
+            kt = k_swapped[...] if prm.swapped else jnp.transpose(k_ref[...])
             if kv_tail:  # unspecified keys past the end must not reach K^T dS^T
                 kt = jnp.where(_key_valid_row(prm, j, 0, bkv), kt, jnp.zeros_like(kt))
             kt_ref[...] = kt
@@ -517,8 +530,12 @@ def _dkdv_kernel(
 
     @pl.when(_flag(flags, bsched.FINAL))
     def _final():
-        dk_ref[...] = jnp.transpose(dk_acc[...] * prm.scale).astype(dk_ref.dtype)
-        dv_ref[...] = jnp.transpose(dv_acc[...]).astype(dv_ref.dtype)
+        if prm.swapped:  # the accumulators' own layout
+            dk_ref[...] = (dk_acc[...] * prm.scale).astype(dk_ref.dtype)
+            dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+        else:
+            dk_ref[...] = jnp.transpose(dk_acc[...] * prm.scale).astype(dk_ref.dtype)
+            dv_ref[...] = jnp.transpose(dv_acc[...]).astype(dv_ref.dtype)
 
     if fuse_dq and stream_dq:
         release_dq()
@@ -643,7 +660,8 @@ def _two_buffer_pipeline(n, depth, at, produce, consume, bufs):
 
 def _dq_copy(prm, dq_out, sems, dq_hbm, qi, slot):
     br = prm.geom.block_pos
-    dst = dq_hbm.at[:, pl.ds(pl.multiple_of(qi * br, br), br), :]
+    rows = pl.ds(pl.multiple_of(qi * br, br), br)
+    dst = dq_hbm.at[:, :, rows] if prm.swapped else dq_hbm.at[:, rows, :]
     return pltpu.make_async_copy(dq_out.at[slot], dst, sems.at[slot])
 
 
@@ -663,7 +681,8 @@ def _write_dq_blocks(prm, dq_acc, dq_out, sems, dq_hbm, done, upto):
             copy(qi - 2, slot).wait()
 
         for hh in range(gb):
-            dq_out[slot, hh] = jnp.transpose(dq_acc[qi, hh] * prm.scale).astype(dq_out.dtype)
+            dqt = dq_acc[qi, hh] * prm.scale  # swapped: dQ^T is the layout
+            dq_out[slot, hh] = (dqt if prm.swapped else jnp.transpose(dqt)).astype(dq_out.dtype)
         copy(qi, slot).start()
         return carry
 
@@ -694,6 +713,8 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     qpos_ref = refs.pop(0) if prm.has_qpos else None
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
     dq_ref, dq_acc, kt_ref = refs  # dq_acc: (units, D, Gb * unit); kt: (D, bkv)
+    k_swapped = k_ref if prm.swapped else None
+    q_ref, k_ref, v_ref, do_ref, dq_ref = _swap_refs(prm, q_ref, k_ref, v_ref, do_ref, dq_ref)
 
     g = prm.geom
     gb, unit = prm.heads_in_block, prm.unit
@@ -707,7 +728,7 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     @pl.when(_flag(flags, bsched.COMPUTE))
     def _transpose_k():
-        kt_ref[...] = jnp.transpose(k_ref[...])
+        kt_ref[...] = k_swapped[...] if prm.swapped else jnp.transpose(k_ref[...])
 
     def tile(masked, a, k0, ck):
         n, r0 = gb * unit, a * unit
@@ -823,19 +844,24 @@ def dkdv_call(
             pltpu.SMEM((8,), jnp.int32),
         ]
     elif fuse_dq:  # dQ padded to whole q blocks (sliced below): every copy is a whole block
-        out_shape.append(
-            jax.ShapeDtypeStruct(q5.shape[:3] + (nq * g.block_pos, prm.head_dim), q5.dtype)
-        )
+        blk = (prm.head_dim, g.block_pos) if prm.swapped else (g.block_pos, prm.head_dim)
+        full = (prm.head_dim, nq * g.block_pos) if prm.swapped else (nq * g.block_pos, prm.head_dim)
+        out_shape.append(jax.ShapeDtypeStruct(q5.shape[:3] + full, q5.dtype))
         out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         scratch += [
             pltpu.VMEM((nq, gb, prm.head_dim, g.block_pos), jnp.float32),
             pltpu.VMEM((prm.head_dim, g.block_kv), k.dtype),
-            pltpu.VMEM((2, gb, g.block_pos, prm.head_dim), q5.dtype),
+            pltpu.VMEM((2, gb) + blk, q5.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SMEM((1,), jnp.int32),
         ]
     if own_delta:
         scratch.append(pltpu.VMEM((nq, gb, g.block_pos), jnp.float32))
+    if prm.swapped:  # row-major K, V of the kv block (last: the kernel takes them off the end)
+        scratch += [
+            pltpu.VMEM((g.block_kv, prm.head_dim), k.dtype),
+            pltpu.VMEM((g.block_kv, prm.head_dim_v), v.dtype),
+        ]
     kernel = functools.partial(
         _dkdv_kernel,
         prm=prm,
@@ -860,12 +886,14 @@ def dkdv_call(
         interpret=interpret,
         name="flash_attention_dkdv",
     )(sched, *args)
-    if stream_dq:  # (B, Hkv, nq, Gb, D, br) -> (B, Hkv, Gb, T, D), one XLA pass
-        dq = jnp.swapaxes(out[2] * prm.scale, -1, -2).transpose(0, 1, 3, 2, 4, 5)
-        dq = dq.reshape(q5.shape[:3] + (nq * g.block_pos, prm.head_dim))
-        return out[0], out[1], dq[:, :, :, : q5.shape[3]].astype(q5.dtype)
-    if fuse_dq and nq * g.block_pos != q5.shape[3]:
-        return out[0], out[1], out[2][:, :, :, : q5.shape[3]]
+    t = g.q_rows_total
+    if stream_dq:  # (B, Hkv, nq, Gb, D, br) -> (B, Hkv, Gb, T, D) (swapped: D, T), one XLA pass
+        dq = (out[2] * prm.scale).transpose(0, 1, 3, 4, 2, 5)
+        dq = dq.reshape(q5.shape[:3] + (prm.head_dim, nq * g.block_pos))[..., :t]
+        return out[0], out[1], (dq if prm.swapped else jnp.swapaxes(dq, -1, -2)).astype(q5.dtype)
+    if fuse_dq and nq * g.block_pos != t:
+        dq = out[2][..., :t] if prm.swapped else out[2][:, :, :, :t]
+        return out[0], out[1], dq
     return out
 
 

@@ -78,6 +78,9 @@ class KernelParams:
     vmem_limit: int
     sub: tuple[int, int] | None  # (rows, keys) sub-tile of masked pairs; None: whole
     slab: int | None = None  # positions per step over fully visible pairs; None: whole
+    # q/k/v-side operands and results arrive and leave with their last two
+    # axes swapped, (..., D, positions): see swapped_layout
+    swapped: bool = False
 
     @property
     def heads_in_block(self) -> int:
@@ -218,6 +221,61 @@ def _logits(prm, s):
 
 def _zero_tail_rows(x, valid_col):
     return jnp.where(valid_col, x, jnp.zeros_like(x))
+
+
+def swapped_layout(head_dim: int, head_dim_v: int, seq_major: bool) -> bool:
+    """Whether a call's q/k/v-side arrays cross into the kernels as (..., D,
+    positions). A TPU lays out an array whose minor dim is under 128 (and
+    not the larger one) with its two minor dims swapped ({2,3,1,0}:
+    positions minor, no lanes wasted); a kernel operand must be row-major,
+    so each such input and result paid an XLA transposing copy (tpu7x 4k
+    d=64 training: 107 us beside the kernels' 944). Swapped at the
+    boundary, the same bytes are a row-major (..., D, positions) array and
+    the copy is a bitcast; the kernels see their blocks through _Swapped.
+    Decode's rows interleave positions and heads: no such view."""
+    return not seq_major and max(head_dim, head_dim_v) < tiling.LANES
+
+
+class _Swapped:
+    """A VMEM block ref (..., D, n) read and written as (..., n, D), the
+    layout the kernels' code indexes (KernelParams.swapped). The row index
+    must be a slice (static or pl.ds), so the two minor axes stay."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    @property
+    def shape(self):
+        s = self.ref.shape
+        return s[:-2] + (s[-1], s[-2])
+
+    @property
+    def dtype(self):
+        return self.ref.dtype
+
+    def _index(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        n = len(self.shape)
+        if Ellipsis in idx:
+            e = idx.index(Ellipsis)
+            idx = idx[:e] + (slice(None),) * (n - len(idx) + 1) + idx[e + 1 :]
+        idx = idx + (slice(None),) * (n - len(idx))
+        if not all(isinstance(x, (slice, pl.Slice)) for x in idx[-2:]):
+            raise TypeError("_Swapped: the two minor axes take slices only")
+        return idx[:-2] + (idx[-1], idx[-2])
+
+    def __getitem__(self, idx):
+        return jnp.swapaxes(self.ref[self._index(idx)], -1, -2)
+
+    def __setitem__(self, idx, value):
+        self.ref[self._index(idx)] = jnp.swapaxes(value, -1, -2)
+
+
+def _swap_refs(prm, *refs):
+    """refs seen row-major (None stays None) where the call's layout is swapped."""
+    if not prm.swapped:
+        return refs
+    return tuple(None if r is None else _Swapped(r) for r in refs)
 
 
 def _rows(ref, r0, rc):
@@ -385,7 +443,12 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if prm.has_segments else (None, None)
     # m: (units, 1, Gb * unit); acc: (units, Dv + 16, Gb * unit), row Dv = l;
     # vt: (Dv + 16, bkv), row Dv = ones; s0/s1: (bkv, chunk lanes) score buffers
-    o_ref, lse_ref, m_ref, acc_ref, vt_ref, s0_ref, s1_ref = refs
+    o_ref, lse_ref, m_ref, acc_ref, vt_ref, s0_ref, s1_ref = refs[:7]
+    o_swapped = o_ref if prm.swapped else None  # (Gb, Dv, br): written as acc is, no transpose
+    q_swapped = q_ref if prm.swapped else None
+    if prm.swapped:  # the q block, row-major, made once a block (it stays for the kv walk)
+        q_ref = refs[7]
+    k_ref, v_ref, o_ref = _swap_refs(prm, k_ref, v_ref, o_ref)
     dv = prm.head_dim_v
 
     g = prm.geom
@@ -438,9 +501,12 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if prm.swapped:
+            for hh in range(gb):
+                q_ref[hh] = jnp.transpose(q_swapped[hh])
 
     def transpose_v():
-        vt_ref[0:dv, :] = jnp.transpose(v_ref[...])
+        vt_ref[0:dv, :] = v_ref.ref[...] if prm.swapped else jnp.transpose(v_ref[...])
         ones = lax.broadcasted_iota(jnp.int32, (ONES_ROWS, vt_ref.shape[1]), 0) == 0
         vt_ref[dv:, :] = ones.astype(vt_ref.dtype)
 
@@ -725,9 +791,16 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
                 m = m_fin
             empty = l == 0.0
             inv = 1.0 / jnp.where(empty, 1.0, l)
-            out = jnp.transpose(acc * inv).reshape(gb, unit, dv)
             lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-            _set_rows(o_ref, a * unit, unit, out.astype(o_ref.dtype))
+            if prm.swapped:
+                out = (acc * inv).astype(o_swapped.dtype)
+                for hh in range(gb):
+                    o_swapped[hh, :, a * unit : (a + 1) * unit] = out[
+                        :, hh * unit : (hh + 1) * unit
+                    ]
+            else:
+                out = jnp.transpose(acc * inv).reshape(gb, unit, dv)
+                _set_rows(o_ref, a * unit, unit, out.astype(o_ref.dtype))
             _set_rows(lse_ref, a * unit, unit, _split_rows(lse, gb))
 
 
@@ -776,12 +849,20 @@ def _common_specs(prm, outer_is_q, batch_meta):
     g = prm.geom
     gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
     q_blk, kv_blk = _meta_specs(outer_is_q)
-    q_spec = lambda d: pl.BlockSpec(  # noqa: E731
-        (None, None, gb, br, d), lambda b, h, p, s: (b, h, 0, q_blk(s[p]), 0)
-    )
-    kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
-        (None, None, bkv, d), lambda b, h, p, s: (b, h, kv_blk(s[p]), 0)
-    )
+    if prm.swapped:  # (..., D, positions): kernel_fwd.swapped_layout
+        q_spec = lambda d: pl.BlockSpec(  # noqa: E731
+            (None, None, gb, d, br), lambda b, h, p, s: (b, h, 0, 0, q_blk(s[p]))
+        )
+        kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
+            (None, None, d, bkv), lambda b, h, p, s: (b, h, 0, kv_blk(s[p]))
+        )
+    else:
+        q_spec = lambda d: pl.BlockSpec(  # noqa: E731
+            (None, None, gb, br, d), lambda b, h, p, s: (b, h, 0, q_blk(s[p]), 0)
+        )
+        kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
+            (None, None, bkv, d), lambda b, h, p, s: (b, h, kv_blk(s[p]), 0)
+        )
     row_spec = pl.BlockSpec((None, None, gb, br), lambda b, h, p, s: (b, h, 0, q_blk(s[p])))
     mb = (lambda b: b) if batch_meta else (lambda b: 0)
     qmeta_spec = pl.BlockSpec((None, 1, br), lambda b, h, p, s: (mb(b), 0, q_blk(s[p])))
@@ -820,9 +901,11 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
     margs, mspecs = _meta_inputs(prm, aux, qmeta_spec, kmeta_spec)
     args += margs
     specs += mspecs
+    rows = q5.shape[:3] + (g.q_rows_total,)
+    o_dims = (prm.head_dim_v, g.q_rows_total) if prm.swapped else (g.q_rows_total, prm.head_dim_v)
     out_shape = (
-        jax.ShapeDtypeStruct(q5.shape[:4] + (prm.head_dim_v,), q5.dtype),
-        jax.ShapeDtypeStruct(q5.shape[:4], jnp.float32),
+        jax.ShapeDtypeStruct(q5.shape[:3] + o_dims, q5.dtype),
+        jax.ShapeDtypeStruct(rows, jnp.float32),
     )
     out_specs = (q_spec(prm.head_dim_v), row_spec)
     gb, unit = prm.heads_in_block, prm.unit
@@ -833,6 +916,8 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
         pltpu.VMEM((prm.head_dim_v + ONES_ROWS, g.block_kv), v.dtype),
     ]
     scratch += [pltpu.VMEM((g.block_kv, prm.chunk_lanes), jnp.float32)] * 2
+    if prm.swapped:
+        scratch.append(pltpu.VMEM((gb, g.block_pos, prm.head_dim), q5.dtype))
     steps = sched.shape[0]
     itemsize = q5.dtype.itemsize
     cost = pl.CostEstimate(
