@@ -219,14 +219,14 @@ def _dkdv_kernel(
         do = do3.reshape(n, prm.head_dim_v)
         k = _keys(k_ref, k0, ck)
         v = _keys(v_ref, k0, ck)
-        s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
+        s, t = _logits(prm, _dot_f32(k, q, NT_DIMS, interpret))
         p = jnp.exp(s - lse)
         if masked:
             kidx, kvalid, kseg = _k_side(prm, j, kseg_ref, k0, ck)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             p = jnp.where(mask, p, 0.0)
         dvt = _dot_f32(jnp.transpose(do), p.astype(do.dtype), NT_DIMS, interpret)
-        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        dp = _dot_f32(v, do, NT_DIMS, interpret)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
@@ -347,7 +347,7 @@ def _dkdv_kernel(
                 qvalid = chunk_pos(c, (1, lc), 1) < g.q_rows_total
                 lse = jnp.where(qvalid, lse, 0.0)
                 delta = jnp.where(qvalid, delta, 0.0)
-        s = lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32)
+        s = _dot_f32(k, q, NT_DIMS, interpret)
         t = None
         if fold:  # exp(s * scale - lse) as one exp2
             p = jnp.exp2(s * (prm.scale * LOG2E) - lse * LOG2E)
@@ -356,7 +356,7 @@ def _dkdv_kernel(
             p = jnp.exp(s - lse)
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        dp = _dot_f32(v, do, NT_DIMS, interpret)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
@@ -745,13 +745,13 @@ def _dq_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
                 k = _zero_tail_rows(k, kvalid)
                 v = _zero_tail_rows(v, kvalid)
                 kt = jnp.where(_key_valid_row(prm, j, k0, ck), kt, jnp.zeros_like(kt))
-        s, t = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
+        s, t = _logits(prm, _dot_f32(k, q, NT_DIMS, interpret))
         p = jnp.exp(s - lse)
         if masked:
             qpos, qvalid, qseg = _q_side(prm, i, qpos_ref, qseg_ref, r0, unit)
             mask = _visible(prm, qpos, qvalid, qseg, kidx, kvalid, kseg)
             p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
+        dp = _dot_f32(v, do, NT_DIMS, interpret)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)

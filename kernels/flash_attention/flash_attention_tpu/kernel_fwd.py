@@ -524,7 +524,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     def scores(a, k0, ck):
         q = _rows(q_ref, a * unit, unit).reshape(gb * unit, prm.head_dim)
         k = _keys(k_ref, k0, ck)
-        s, _ = _logits(prm, lax.dot_general(k, q, NT_DIMS, preferred_element_type=jnp.float32))
+        s, _ = _logits(prm, _dot_f32(k, q, NT_DIMS, interpret))
         return s
 
     def update(masked, a, k0, ck, s):
@@ -590,7 +590,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             k = _keys(k_ref, *keys)
         else:
             k = k_ref[...] if span is None else k_ref[span[0] : span[1], :]
-        s = lax.dot_general(k, chunk_q(a, l0), NT_DIMS, preferred_element_type=jnp.float32)
+        s = _dot_f32(k, chunk_q(a, l0), NT_DIMS, interpret)
         if not fold:
             s, _ = _logits(prm, s)
         if keys is not None:
