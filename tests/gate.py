@@ -221,6 +221,11 @@ def _launch(eqn, extents: tuple[int, ...]) -> Launch:
 def pallas_launches(fn, args, extents: tuple[int, ...] = ()) -> list[Launch]:
     """Every pallas_call `fn(*args)` traces. extents: the program's sizes
     (rows, sequence length) that a cover may have at other values."""
+    return [_launch(eqn, tuple(extents)) for eqn in pallas_eqns(fn, args)]
+
+
+def pallas_eqns(fn, args) -> list:
+    """The pallas_call equations `fn(*args)` traces, through nested jaxprs."""
     from jax._src import core as jax_core
 
     found = []
@@ -228,7 +233,7 @@ def pallas_launches(fn, args, extents: tuple[int, ...] = ()) -> list[Launch]:
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                found.append(_launch(eqn, tuple(extents)))
+                found.append(eqn)
             for v in eqn.params.values():
                 for j in v if isinstance(v, (list, tuple)) else (v,):
                     if isinstance(j, jax_core.ClosedJaxpr):

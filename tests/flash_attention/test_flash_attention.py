@@ -28,13 +28,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from jax.extend import core as jax_core  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from flash_attention_tpu import schedule as bsched  # noqa: E402
 from flash_attention_tpu import checks, kernel_fwd, tiling  # noqa: E402
 from flash_attention_tpu import api as fa  # noqa: E402
 from flash_attention_tpu import reference as ref  # noqa: E402
+from gate import pallas_eqns  # noqa: E402
 from tolerances import ATTENTION_ROUNDINGS, assert_close, attention_magnitudes  # noqa: E402
 
 SMALL = tiling.BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
@@ -609,21 +609,10 @@ def test_short_head_dims_reach_the_kernels_with_their_minor_axes_swapped():
             fa.flash_attention(q, k, v, causal=True, config="v6e").astype(jnp.float32)
         )
         out = {}
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "pallas_call":
-                    info = eqn.params.get("name_and_src_info")
-                    name = getattr(info, "name", None) or eqn.params.get("name")
-                    out[name] = [tuple(v.aval.shape) for v in eqn.invars[1:5]]
-                for v in eqn.params.values():
-                    for sub in v if isinstance(v, (list, tuple)) else (v,):
-                        if isinstance(sub, jax_core.ClosedJaxpr):
-                            walk(sub.jaxpr)
-                        elif isinstance(sub, jax_core.Jaxpr):
-                            walk(sub)
-
-        walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr)
+        for eqn in pallas_eqns(jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv)):
+            info = eqn.params.get("name_and_src_info")
+            name = getattr(info, "name", None) or eqn.params.get("name")
+            out[name] = [tuple(v.aval.shape) for v in eqn.invars[1:5]]
         return out
 
     # q (B, Hkv, G, D, T), k and v (B, Hkv, D, Skv), then dO or O
