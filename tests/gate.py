@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from torch_bindings.aot import DEFAULT_GENERATIONS, try_tpu_compile
+from torch_bindings.aot import DEFAULT_GENERATIONS, tpu_compile, try_tpu_compile
 
 GENERATIONS = DEFAULT_GENERATIONS
 
@@ -74,6 +74,9 @@ class GateProgram:
     generation: str
     covered_by: Hashable | None = None  # a point of the same module
     extents: tuple[int, ...] = ()
+    # run on the compiled program's optimized HLO text: an error message, or
+    # None (a point with a check is compiled, never covered)
+    check: Callable[[str], str | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +281,13 @@ def _run_point(module_file: str, point) -> PointResult:
             if total and not missing:
                 return done(True, None, False, prog.covered_by)
             note = f"not covered by {prog.covered_by}: {missing} of {total} launches differ"
+        if prog.check is not None:
+            try:
+                hlo = tpu_compile(prog.fn, prog.args, prog.generation).as_text()
+            except Exception as e:  # noqa: BLE001 - the compiler raises many types
+                return done(False, f"{type(e).__name__}: {e}"[:2000], True)
+            problem = prog.check(hlo)
+            return done(problem is None, problem, True)
         res = try_tpu_compile(prog.fn, prog.args, prog.generation)
         return done(res.ok, res.error, True, None, note)
     except Exception as e:  # noqa: BLE001 - tiling raises before any compile
