@@ -996,7 +996,7 @@ MUTANTS: tuple[Mutant, ...] = (
         FA_BWD,
         "dq_here[hh, :, pl.ds(r0, rc)] += part",
         "dq_here[hh, :, pl.ds(0, rc)] += part",
-        (f"{T_FA}::test_dense_matches_reference", FA_SCALE),
+        (f"{T_FA}::test_streamed_dq_matches_reference",),
         "fused dQ: a masked pair's row sub-tiles all added to the block's first rows",
     ),
     Mutant(

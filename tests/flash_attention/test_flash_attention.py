@@ -300,12 +300,15 @@ def test_softmax_scale_reaches_every_kernel(dtype, scale, fuse):
 # and a block two steps running (kept in its slot). 256-position blocks of
 # 128 keys visit each q block from two kv blocks running; a window moves the
 # first q block of each kv block; sq > skv leaves the first q blocks without
-# a visible key (their dQ is 0: the buffer starts zeroed).
+# a visible key (their dQ is 0: the buffer starts zeroed); blocks of one
+# lane chunk add each masked sub-tile's rows at their offset.
 STREAMED_WALKS = {
     "read-after-write": (2, 128, 128, (-1, 0), 520, 520),
     "same-block-twice": (4, 256, 128, (-1, 0), 600, 600),
     "window": (2, 128, 256, (200, 0), 700, 700),
     "rows-see-nothing": (2, 128, 128, (-1, 0), 400, 150),
+    # one 512-row lane chunk a block: masked pairs run as 128-row sub-tiles
+    "sub-tiles": (2, 256, 256, (-1, 0), 600, 600),
 }
 
 
