@@ -33,6 +33,7 @@ from .kernel_fwd import (
     _keys,
     _logits,
     _meta_inputs,
+    _minor_dims,
     _q_side,
     _rows,
     _run_pair,
@@ -844,8 +845,8 @@ def dkdv_call(
             pltpu.SMEM((8,), jnp.int32),
         ]
     elif fuse_dq:  # dQ padded to whole q blocks (sliced below): every copy is a whole block
-        blk = (prm.head_dim, g.block_pos) if prm.swapped else (g.block_pos, prm.head_dim)
-        full = (prm.head_dim, nq * g.block_pos) if prm.swapped else (nq * g.block_pos, prm.head_dim)
+        blk = _minor_dims(prm, g.block_pos, prm.head_dim)
+        full = _minor_dims(prm, nq * g.block_pos, prm.head_dim)
         out_shape.append(jax.ShapeDtypeStruct(q5.shape[:3] + full, q5.dtype))
         out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         scratch += [

@@ -271,6 +271,12 @@ class _Swapped:
         self.ref[self._index(idx)] = jnp.swapaxes(value, -1, -2)
 
 
+def _minor_dims(prm, n, d):
+    """The two minor dims of a q/k/v-side array or block of n positions
+    by d: (d, n) where the call's layout is swapped, else (n, d)."""
+    return (d, n) if prm.swapped else (n, d)
+
+
 def _swap_refs(prm, *refs):
     """refs seen row-major (None stays None) where the call's layout is swapped."""
     if not prm.swapped:
@@ -849,20 +855,13 @@ def _common_specs(prm, outer_is_q, batch_meta):
     g = prm.geom
     gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
     q_blk, kv_blk = _meta_specs(outer_is_q)
-    if prm.swapped:  # (..., D, positions): kernel_fwd.swapped_layout
-        q_spec = lambda d: pl.BlockSpec(  # noqa: E731
-            (None, None, gb, d, br), lambda b, h, p, s: (b, h, 0, 0, q_blk(s[p]))
-        )
-        kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
-            (None, None, d, bkv), lambda b, h, p, s: (b, h, 0, kv_blk(s[p]))
-        )
-    else:
-        q_spec = lambda d: pl.BlockSpec(  # noqa: E731
-            (None, None, gb, br, d), lambda b, h, p, s: (b, h, 0, q_blk(s[p]), 0)
-        )
-        kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
-            (None, None, bkv, d), lambda b, h, p, s: (b, h, kv_blk(s[p]), 0)
-        )
+    minor = functools.partial(_minor_dims, prm)
+    q_spec = lambda d: pl.BlockSpec(  # noqa: E731
+        (None, None, gb) + minor(br, d), lambda b, h, p, s: (b, h, 0) + minor(q_blk(s[p]), 0)
+    )
+    kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
+        (None, None) + minor(bkv, d), lambda b, h, p, s: (b, h) + minor(kv_blk(s[p]), 0)
+    )
     row_spec = pl.BlockSpec((None, None, gb, br), lambda b, h, p, s: (b, h, 0, q_blk(s[p])))
     mb = (lambda b: b) if batch_meta else (lambda b: 0)
     qmeta_spec = pl.BlockSpec((None, 1, br), lambda b, h, p, s: (mb(b), 0, q_blk(s[p])))
@@ -902,7 +901,7 @@ def fwd_call(prm, q5, k, v, sinks, aux, sched, interpret, batch_meta):
     args += margs
     specs += mspecs
     rows = q5.shape[:3] + (g.q_rows_total,)
-    o_dims = (prm.head_dim_v, g.q_rows_total) if prm.swapped else (g.q_rows_total, prm.head_dim_v)
+    o_dims = _minor_dims(prm, g.q_rows_total, prm.head_dim_v)
     out_shape = (
         jax.ShapeDtypeStruct(q5.shape[:3] + o_dims, q5.dtype),
         jax.ShapeDtypeStruct(rows, jnp.float32),
