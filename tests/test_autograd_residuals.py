@@ -11,9 +11,7 @@ would) has the forward's kernels in its program.
 
 from collections import Counter
 
-import jax
 import pytest
-from jax.extend import core as jax_core
 import torch
 
 import flash_attention_tpu
@@ -25,26 +23,15 @@ from ragged_dot_tpu import ops as rd_ops
 from rmsnorm_tpu import kernel as rms_kernel
 from rmsnorm_tpu import ops as rms_ops
 from torch_bindings import convert
+from gate import pallas_eqns
 
 
-def _pallas_names(jaxpr) -> Counter:
-    """Names of the pallas_calls in a jaxpr, through every nested jaxpr."""
+def _pallas_names(fn, args) -> Counter:
+    """Names of the pallas_calls `fn(*args)` traces, through every nested jaxpr."""
     names: Counter = Counter()
-
-    def walk(jp):
-        for eqn in jp.eqns:
-            if eqn.primitive.name == "pallas_call":
-                info = eqn.params.get("name_and_src_info")
-                names[getattr(info, "name", None) or eqn.params.get("name")] += 1
-                continue
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (list, tuple)) else (v,):
-                    if isinstance(sub, jax_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax_core.Jaxpr):
-                        walk(sub)
-
-    walk(jaxpr.jaxpr)
+    for eqn in pallas_eqns(fn, args):
+        info = eqn.params.get("name_and_src_info")
+        names[getattr(info, "name", None) or eqn.params.get("name")] += 1
     return names
 
 
@@ -60,7 +47,7 @@ def _kernels(op, args) -> Counter:
         else convert.to_jax(t)
         for t in tensors
     ]
-    return _pallas_names(jax.make_jaxpr(lambda *ts: fn(*op._merge(ts, statics)))(*jax_tensors))
+    return _pallas_names(lambda *ts: fn(*op._merge(ts, statics)), jax_tensors)
 
 
 def _forward_and_backward_kernels(dop, args):
