@@ -480,7 +480,7 @@ def _dkdv_kernel(
         chunks = [
             ((hh, off, min(lc, hi - off)), (c * ck, ck))
             for c in range(bkv // ck)
-            for hi in [min(br, tiling._round_up(c * ck + ck - e, tiling.LANES))]
+            for hi in [min(br, tiling.round_up(c * ck + ck - e, tiling.LANES))]
             for hh in range(gb)
             for off in range(0, hi, lc)
         ]

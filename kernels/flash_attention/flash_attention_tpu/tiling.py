@@ -225,7 +225,7 @@ def check_generation(generation: str) -> str:
     return generation
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
@@ -264,13 +264,13 @@ def geometry(
     block_q: int, block_kv: int, *, q_len: int, kv_len: int, group: int, max_rows: int
 ) -> Geometry:
     """Clamps configured block sizes to the problem and picks the row layout."""
-    bkv = min(block_kv, _round_up(max(kv_len, 1), LANES))
+    bkv = min(block_kv, round_up(max(kv_len, 1), LANES))
     if q_len < DECODE_MAX_Q_LEN:
         total = q_len * group
-        cap = max(_round_up(min(block_q * group, max_rows), LANES), LANES)
+        cap = max(round_up(min(block_q * group, max_rows), LANES), LANES)
         rows = total if total <= cap else cap
         return Geometry(True, rows, rows, bkv, total, kv_len)
-    bq = min(block_q, _round_up(q_len, LANES))
+    bq = min(block_q, round_up(q_len, LANES))
     bq = max(LANES, (bq // LANES) * LANES)
     if group * bq > max_rows:
         bq = max(LANES, (max_rows // group) // LANES * LANES)
@@ -306,15 +306,15 @@ def fwd_chunk_keys(block_kv: int) -> int:
 
 
 def _lanes(d: int) -> int:
-    return _round_up(d, LANES)
+    return round_up(d, LANES)
 
 
 def fwd_vmem_bytes(rows, bkv, d, dv, itemsize, unit_rows=None):
     """unit_rows: stacked rows of a state unit (a slab's), at most; None: the block's."""
     d, dv = _lanes(d), _lanes(dv)
     io = 2 * (rows * d + bkv * d + bkv * dv + rows * dv) * itemsize
-    io += 2 * 8 * _round_up(rows, LANES) * 4  # lse block
-    io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4  # segment/position rows
+    io += 2 * 8 * round_up(rows, LANES) * 4  # lse block
+    io += 2 * 3 * 8 * round_up(max(rows, bkv), LANES) * 4  # segment/position rows
     scratch = rows * dv * 4 + 2 * rows * LANES * 4  # acc, m, l
     scratch += 2 * bkv * FWD_CHUNK_LANES[0] * 4  # a full pair's two score buffers
     unit = min(rows, unit_rows or rows)
@@ -342,9 +342,9 @@ def dkdv_vmem_bytes(rows, bkv, d, dv, itemsize, tile_rows=None):
     """tile_rows: rows of the step's temporaries (dkdv_tile_rows); None: all rows."""
     d, dv = _lanes(d), _lanes(dv)
     io = 2 * (rows * d + rows * dv + bkv * d + bkv * dv) * itemsize
-    io += 2 * 2 * 8 * _round_up(rows, LANES) * 4  # lse, delta
+    io += 2 * 2 * 8 * round_up(rows, LANES) * 4  # lse, delta
     io += 2 * (bkv * d + bkv * dv) * itemsize  # dk, dv out
-    io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4
+    io += 2 * 3 * 8 * round_up(max(rows, bkv), LANES) * 4
     scratch = bkv * (d + dv) * 4
     scratch += 4 * bkv * FWD_CHUNK_LANES[0] * itemsize  # a full pair's P and dS buffers
     temps = (tile_rows or rows) * bkv * (5 * 4 + 2 * itemsize)  # s, p, dp, ds, mask + casts
@@ -367,15 +367,15 @@ def own_delta_vmem_bytes(geom, dv, itemsize):
     """What a fused dK/dV kernel deriving delta adds: O's blocks in place of
     delta's, and the kv head's f32 delta rows."""
     heads = geom.rows // geom.block_pos
-    rows = geom.num_q_blocks * _round_up(heads, 8) * _round_up(geom.block_pos, LANES) * 4
+    rows = geom.num_q_blocks * round_up(heads, 8) * round_up(geom.block_pos, LANES) * 4
     return 2 * geom.rows * _lanes(dv) * itemsize + rows
 
 
 def dq_vmem_bytes(rows, bkv, d, dv, itemsize):
     d, dv = _lanes(d), _lanes(dv)
     io = 2 * (rows * d + rows * dv + bkv * d + bkv * dv + rows * d) * itemsize
-    io += 2 * 2 * 8 * _round_up(rows, LANES) * 4
-    io += 2 * 3 * 8 * _round_up(max(rows, bkv), LANES) * 4
+    io += 2 * 2 * 8 * round_up(rows, LANES) * 4
+    io += 2 * 3 * 8 * round_up(max(rows, bkv), LANES) * 4
     scratch = rows * d * 4 + 2 * rows * LANES * 4
     temps = rows * bkv * (5 * 4 + itemsize)
     return io + scratch + temps
@@ -694,7 +694,7 @@ def decode_plan(
     buffers = 2 * DECODE_SLOTS * bkv * hb * d_lanes * itemsize  # K and V ring
     q_io = 2 * hb * br * d_lanes * itemsize + 2 * hb * br * (_lanes(head_dim_v) + LANES) * 4
     scratch = hb * br * (_lanes(head_dim_v) + 2 * LANES) * 4
-    temps = br * _round_up(per, LANES) * 4 * 4 + 2 * per * d_lanes * 4  # s, p, mask; k, v
+    temps = br * round_up(per, LANES) * 4 * 4 + 2 * per * d_lanes * 4  # s, p, mask; k, v
     need = buffers + q_io + scratch + temps
     # Resident blocks hold (head, row) pairs as one sublane axis: [B, hb * br, D],
     # sized as they would be kept: with one partial (one core, no sinks) there is
@@ -703,9 +703,9 @@ def decode_plan(
     o_item = out_itemsize if one_partial else 4
     flat = hb * br
     resident_bytes = (
-        batch * _round_up(flat, 32 // itemsize) * d_lanes * itemsize
-        + 2 * batch * _round_up(flat, 32 // o_item) * _lanes(head_dim_v) * o_item
-        + (2 * batch * _round_up(flat, 8) * LANES * 4 if return_lse or not one_partial else 0)
+        batch * round_up(flat, 32 // itemsize) * d_lanes * itemsize
+        + 2 * batch * round_up(flat, 32 // o_item) * _lanes(head_dim_v) * o_item
+        + (2 * batch * round_up(flat, 8) * LANES * 4 if return_lse or not one_partial else 0)
     )
     resident = (
         br == rows
