@@ -49,6 +49,32 @@ if str(ROOT / "tests") not in sys.path:
 # only writes when the flags are set before it loads (any test importing
 # torch_tpu loads it): switch them on first, whatever the collection order.
 import bench  # noqa: E402,F401
+
+
+def _start_cpu_backend_with(flags: str) -> None:
+    """Starts XLA:CPU with `flags` added to XLA_FLAGS, then takes them out again.
+
+    Each XLA in the process reads XLA_FLAGS once, when it starts: XLA:CPU here,
+    libtpu when a test first loads it, and libtpu stops the process at a flag
+    it does not know (an XLA:CPU one). So XLA:CPU starts now, with them, and
+    libtpu later reads the flags as they were (bench's dump flags included).
+    """
+    before = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{before} {flags}".strip()
+    try:
+        import jax
+
+        jax.jit(lambda x: x + 1)(0)
+    finally:
+        os.environ["XLA_FLAGS"] = before
+
+
+# XLA:CPU's MLIR fusion emitters were most of an interpret-mode kernel's
+# compile: with the older emitters a gmm edge case's program compiles in 0.3 s,
+# not 1.5 s, and test_gmm.py took 94 CPU-seconds, not 153 (2026-12-06). Same
+# HLO (the numerics under test), code emitted by another path.
+_start_cpu_backend_with("--xla_cpu_use_fusion_emitters=false")
+
 from hypothesis import Phase, settings  # noqa: E402
 
 # Interpret mode is slow: few, deterministic examples, no deadline.
