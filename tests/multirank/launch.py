@@ -29,10 +29,14 @@ import traceback
 # Read when the ranks first touch JAX's backend. The XLA CPU compiles of our
 # ops' reference programs are most of a rank's time (every shape is a compile;
 # expert parallelism makes the experts' row count data-dependent): without
-# LLVM's optimisation passes they take about half as long, same results.
+# LLVM's optimisation passes they take about half as long, same results, and
+# with XLA:CPU's older fusion emitters less again (tests/multirank: 102 ->
+# 60 CPU-seconds, 2026-12-06). No rank compiles for a TPU, so libtpu, which
+# rejects XLA:CPU flags (tests/conftest.py), never reads these.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    + " --xla_cpu_use_fusion_emitters=false"
 )
 # torch_tpu (a torch backend entry point) is not needed on CPU and costs ~5 s per import.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
