@@ -503,11 +503,29 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     on_far_edge = offset == prm.left + 1
     own_pipeline = jnp.logical_or(on_diagonal, on_far_edge) if far_edge else on_diagonal
 
-    @pl.when(_flag(flags, bsched.INIT))
-    def _init():
+    # A full pair's pipeline, and a diagonal pair's, update every lane of
+    # every unit once. On a q row's first step they start the statistics and
+    # the accumulator themselves (`fresh`: a select where they read them), so
+    # the step stores no zeros first: as a block of its own, the zeroing was
+    # 281 bundles a q row that no matmul overlapped (tpu7x 4k d=128).
+    compute = _flag(flags, bsched.COMPUTE)
+    masked_step = jnp.logical_and(compute, _flag(flags, bsched.MASK))
+    covers_every_unit = jnp.logical_and(compute, jnp.logical_not(masked_step))
+    if diagonal:
+        covers_every_unit = jnp.logical_or(
+            covers_every_unit, jnp.logical_and(masked_step, on_diagonal)
+        )
+    fresh = jnp.logical_and(_flag(flags, bsched.INIT), covers_every_unit)
+
+    @pl.when(jnp.logical_and(_flag(flags, bsched.INIT), jnp.logical_not(covers_every_unit)))
+    def _zero_state():
         m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        if prm.swapped:
+
+    if prm.swapped:
+
+        @pl.when(_flag(flags, bsched.INIT))
+        def _transpose_q():
             for hh in range(gb):
                 q_ref[hh] = jnp.transpose(q_swapped[hh])
 
@@ -518,7 +536,6 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     # A fully visible pair transposes V inside its pipeline (full_pair), where
     # the scheduler overlaps the transposes with its first chunk's QK matmul.
-    masked_step = jnp.logical_and(_flag(flags, bsched.COMPUTE), _flag(flags, bsched.MASK))
     if not diagonal_only:  # a diagonal pair's pipeline transposes V itself
 
         @pl.when(
@@ -615,13 +632,13 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         else:
             s_buf[row0 : row0 + s.shape[0], :] = s
             row_max = jnp.max(s, axis=0, keepdims=True)
-        m_prev = m_ref[a, :, l0 : l0 + lc]
+        m_prev = jnp.where(fresh, NEG_INF, m_ref[a, :, l0 : l0 + lc])
         m_new = jnp.maximum(m_prev, row_max * prm.scale if fold else row_max)
         m_ref[a, :, l0 : l0 + lc] = m_new
         return m_new, jnp.exp(m_prev - m_new)
 
     def chunk_update(a, l0, s_buf, m_new, alpha, keys=None, row0=0, span=None):
-        acc = acc_ref[a, :, l0 : l0 + lc] * alpha
+        acc = jnp.where(fresh, 0.0, acc_ref[a, :, l0 : l0 + lc]) * alpha
         if keys is None:  # s_buf's rows are the block's keys lo:hi
             lo, hi, empty_rows = span or (0, g.block_kv, False)
             steps = range(lo, hi, math.gcd(kc, hi - lo))
@@ -649,12 +666,38 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
             acc = acc + _dot_f32(vt, p.astype(vt_ref.dtype), NN_DIMS, interpret)
         acc_ref[a, :, l0 : l0 + lc] = acc
 
+    def finish(a):
+        """Normalises unit a's accumulator into its output rows and logsumexp."""
+        m, acc = m_ref[a], acc_ref[a]
+        l, acc = acc[dv : dv + 1], acc[:dv]
+        if prm.has_sinks:
+            sink = _sink_row(prm, sinks_ref, h, i, a)
+            m_fin = jnp.maximum(m, sink)
+            keep = jnp.exp(m - m_fin)
+            l = l * keep + jnp.exp(sink - m_fin)
+            acc = acc * keep
+            m = m_fin
+        empty = l == 0.0
+        inv = 1.0 / jnp.where(empty, 1.0, l)
+        lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+        if prm.swapped:
+            out = (acc * inv).astype(o_swapped.dtype)
+            for hh in range(gb):
+                o_swapped[hh, :, a * unit : (a + 1) * unit] = out[:, hh * unit : (hh + 1) * unit]
+        else:
+            out = jnp.transpose(acc * inv).reshape(gb, unit, dv)
+            _set_rows(o_ref, a * unit, unit, out.astype(o_ref.dtype))
+        _set_rows(lse_ref, a * unit, unit, _split_rows(lse, gb))
+
     bufs = (s0_ref, s1_ref)
 
-    def chunk_pipeline(chunks):
+    def chunk_pipeline(chunks, finishes=False):
         """chunks: (unit, first lane, key span or None) each; chunk c's
-        scores go to buffer c % 2 while chunk c - 1 updates from the other."""
+        scores go to buffer c % 2 while chunk c - 1 updates from the other.
+        finishes: each unit is normalised after its last chunk (the step's
+        FINAL work, see finished_in_pipeline)."""
         n = len(chunks)
+        last = {ch[0]: c for c, ch in enumerate(chunks)}
         a, l0, span = chunks[0]
         st = chunk_scores(a, l0, bufs[0], span=span)
         transpose_v()
@@ -665,6 +708,8 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
                 nxt = chunk_scores(a, l0, bufs[(c + 1) % 2], span=span)
             a, l0, span = chunks[c]
             chunk_update(a, l0, bufs[c % 2], *st, span=span)
+            if finishes and last[a] == c:
+                finish(a)
             st = nxt
 
     def full_pair():
@@ -688,7 +733,8 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     def diagonal_pair():
         chunk_pipeline(
-            [(a, r * lc, (0, (a + 1) * ck, False)) for a in range(units) for r in range(per)]
+            [(a, r * lc, (0, (a + 1) * ck, False)) for a in range(units) for r in range(per)],
+            finishes=True,
         )
 
     def far_edge_pair():
@@ -783,31 +829,23 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
 
     _unit_pairs(prm, i, j, flags, tile, full_pair, masked_pair if pipelined else None)
 
-    @pl.when(_flag(flags, bsched.FINAL))
+    # A diagonal pair is its q row's last visible pair (keys past the diagonal
+    # are hidden: right = 0), so it normalises each unit inside its own
+    # pipeline, as soon as the unit's last chunk is updated (chunk_pipeline's
+    # finish): in one basic block with the later units' matmuls, the
+    # scheduler hides the transposes and stores under them. Run as its own
+    # block after the pipeline, the finalisation was a step's worth of XLU
+    # and VALU work no MXU work overlapped (tpu7x 4k d=128: 629 bundles a q
+    # block). The FINAL bit still decides: a pair that lacked it would only
+    # have written its rows early, and the row's last step writes them again.
+    final = _flag(flags, bsched.FINAL)
+    if diagonal:
+        final = jnp.logical_and(final, jnp.logical_not(jnp.logical_and(masked_step, on_diagonal)))
+
+    @pl.when(final)
     def _final():
         for a in range(units):
-            m, acc = m_ref[a], acc_ref[a]
-            l, acc = acc[dv : dv + 1], acc[:dv]
-            if prm.has_sinks:
-                sink = _sink_row(prm, sinks_ref, h, i, a)
-                m_fin = jnp.maximum(m, sink)
-                keep = jnp.exp(m - m_fin)
-                l = l * keep + jnp.exp(sink - m_fin)
-                acc = acc * keep
-                m = m_fin
-            empty = l == 0.0
-            inv = 1.0 / jnp.where(empty, 1.0, l)
-            lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-            if prm.swapped:
-                out = (acc * inv).astype(o_swapped.dtype)
-                for hh in range(gb):
-                    o_swapped[hh, :, a * unit : (a + 1) * unit] = out[
-                        :, hh * unit : (hh + 1) * unit
-                    ]
-            else:
-                out = jnp.transpose(acc * inv).reshape(gb, unit, dv)
-                _set_rows(o_ref, a * unit, unit, out.astype(o_ref.dtype))
-            _set_rows(lse_ref, a * unit, unit, _split_rows(lse, gb))
+            finish(a)
 
 
 def _sink_row(prm, sinks_ref, h, i, a):
