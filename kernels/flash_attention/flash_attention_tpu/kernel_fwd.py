@@ -922,6 +922,7 @@ def _compiler_params(prm):
     return pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=prm.vmem_limit,
+        disable_bounds_checks=True,
     )
 
 
