@@ -131,6 +131,39 @@ def _dkdv_kernel(
     gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
     q_tail = g.q_rows_total % br != 0
     kv_tail = g.kv_len % bkv != 0
+    # Full pairs: chunk c of lc query rows is (head, lane offset) of the block.
+    lc = prm.block_chunk_lanes
+    n_chunks = gb * br // lc
+    fold = prm.softcap is None
+    per = br // lc if lc <= br else 0  # chunks a head; 0: several heads a chunk
+    depth = (per if per % 2 == 0 else 2 * per) if per else 2  # chunks a loop step, even
+    # (masked pairs: see diagonal_pair)
+    ck = prm.sub[1] if prm.sub is not None else bkv
+    step_d = math.gcd(br, bkv)
+    diagonal_only = (
+        n_chunks > 1
+        and per >= 1
+        and prm.sub is not None
+        and prm.right == 0
+        and prm.left >= br + bkv  # the window cuts no pair on the diagonal
+        and not (prm.has_qpos or prm.has_segments or kv_tail or q_tail)
+        and step_d % ck == 0
+        and prm.q_offset % bkv == 0
+    )
+    # Causal self-attention with no window, q_offset >= 0: every q block
+    # sees key 0, so its first computed pair is kv block 0's, a full pair or
+    # a diagonal one whose first key range reaches every row. That pair's
+    # pipeline stores the block's first dQ^T (consume's dq_start) where a
+    # loop zeroed every block's at the head's first step (tpu7x 4k d=128:
+    # 130 bundles a block, no matmul beside them).
+    dq_starts_in_pipeline = (
+        fuse_dq
+        and not stream_dq
+        and own_delta
+        and diagonal_only
+        and prm.left >= bsched.UNBOUNDED
+        and prm.q_offset >= 0
+    )
     step = pl.program_id(2)
     bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
     j, i, flags = _decode(sched_ref, step)
@@ -168,7 +201,8 @@ def _dkdv_kernel(
                 dq_acc[qi] = jnp.zeros(dq_acc.shape[1:], jnp.float32)
                 return carry
 
-            lax.fori_loop(0, dq_acc.shape[0], zero, 0)
+            if not dq_starts_in_pipeline:
+                lax.fori_loop(0, dq_acc.shape[0], zero, 0)
             dq_done[0] = 0
 
         # Visible ranges never move back, so when the walk reaches a kv
@@ -235,13 +269,6 @@ def _dkdv_kernel(
         if fuse_dq:  # keys past the end: dP from unspecified V, 0 * inf in dS
             add_dq(jnp.where(mask, ds, 0.0) if masked else ds, r0, rc, k0, ck)
         add_kv(dvt, dkt, k0, ck)
-
-    # Full pairs: chunk c of lc query rows is (head, lane offset) of the block.
-    lc = prm.block_chunk_lanes
-    n_chunks = gb * br // lc
-    fold = prm.softcap is None
-    per = br // lc if lc <= br else 0  # chunks a head; 0: several heads a chunk
-    depth = (per if per % 2 == 0 else 2 * per) if per else 2  # chunks a loop step, even
 
     def at(k, r):
         """Chunk k * depth + r (k traced or static, r static) as (head, static lane offset)."""
@@ -367,8 +394,10 @@ def _dkdv_kernel(
         bufs[0][0:n, 0:w] = p.astype(bufs[0].dtype)
         bufs[1][0:n, 0:w] = ds.astype(bufs[1].dtype)
 
-    def consume(c, bufs, keys=None):
-        """Chunk c's dV^T, dK^T (and dQ^T) matmuls from bufs."""
+    def consume(c, bufs, keys=None, dq_start=False):
+        """Chunk c's dV^T, dK^T (and dQ^T) matmuls from bufs. dq_start: this
+        chunk's dQ^T is the first its lanes get (True, or a traced bool):
+        stored, not added (see dq_starts_in_pipeline)."""
         q, do = chunk_rows(c, q_ref), chunk_rows(c, do_ref)
         if keys is None:
             k0, kc = 0, bkv
@@ -385,11 +414,20 @@ def _dkdv_kernel(
             kt = kt_ref[...] if kc == bkv else kt_ref[:, pl.ds(k0, kc)]
             dqt = _dot_f32(kt, ds, NN_DIMS, interpret)
             hh, off = c[:2]
+
+            def accumulate(ref, x):
+                if dq_start is True:
+                    ref[...] = x
+                elif dq_start is False:
+                    ref[...] += x
+                else:  # unspecified VMEM (NaN) must not reach the sum
+                    ref[...] = jnp.where(dq_start, 0.0, ref[...]) + x
+
             if per:
-                dq_here[hh, :, off : off + w] += dqt
+                accumulate(dq_here.at[hh, :, pl.ds(off, w)], dqt)
             else:
                 for t in range(lc // br):
-                    dq_here[hh + t] += dqt[:, t * br : (t + 1) * br]
+                    accumulate(dq_here.at[hh + t], dqt[:, t * br : (t + 1) * br])
 
     bufs = ((p0, ds0), (p1, ds1))
 
@@ -401,7 +439,8 @@ def _dkdv_kernel(
         @pl.when(first_pair)
         def _first():
             first_produce = functools.partial(produce, first=True)
-            _two_buffer_pipeline(n_chunks, depth, at, first_produce, consume, bufs)
+            first_consume = functools.partial(consume, dq_start=dq_starts_in_pipeline)
+            _two_buffer_pipeline(n_chunks, depth, at, first_produce, first_consume, bufs)
 
         @pl.when(jnp.logical_not(first_pair))
         def _later():
@@ -441,18 +480,6 @@ def _dkdv_kernel(
     # 2,705.4 us. A pair a window's far edge cuts is the mirror: row r sees
     # its keys from r + e on, e = d - left, so key range c is visible to the
     # rows up to c ck + ck - 1 - e, a triangle at their far end (far_edge_pair).
-    ck = prm.sub[1] if prm.sub is not None else bkv
-    step_d = math.gcd(br, bkv)
-    diagonal_only = (
-        n_chunks > 1
-        and per >= 1
-        and prm.sub is not None
-        and prm.right == 0
-        and prm.left >= br + bkv  # the window cuts no pair on the diagonal
-        and not (prm.has_qpos or prm.has_segments or kv_tail or q_tail)
-        and step_d % ck == 0
-        and prm.q_offset % bkv == 0
-    )
 
     def diagonal_pair(d):
         chunks = [
@@ -461,16 +488,25 @@ def _dkdv_kernel(
             for hh in range(gb)
             for off in range(max(c * ck - d, 0), br, lc)
         ]
-        static_pair(chunks, functools.partial(diagonal_mask, d=d))
+        # d >= 0: key range 0 reaches every row, once each
+        starts = dq_starts_in_pipeline and d >= 0
+        static_pair(chunks, functools.partial(diagonal_mask, d=d), starts)
 
-    def static_pair(chunks, triangle):
+    def static_pair(chunks, triangle, dq_starts=False):
+        """dq_starts: the chunks of key range 0 start their lanes' dQ where
+        this is the q block's first pair."""
         n = len(chunks)  # a step of every chunk: no loop, one basic block
+
+        def consume_chunk(ck_, buf):
+            start = first_pair if dq_starts and ck_[1][0] == 0 else False
+            consume(ck_[0], buf, ck_[1], dq_start=start)
+
         _two_buffer_pipeline(
             n,
             n,
             lambda k, r: chunks[r],
             lambda ck_, buf: produce(ck_[0], buf, ck_[1], triangle=triangle),
-            lambda ck_, buf: consume(ck_[0], buf, ck_[1]),
+            consume_chunk,
             bufs,
         )
 
