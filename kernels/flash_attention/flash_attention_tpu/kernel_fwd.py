@@ -922,6 +922,10 @@ def _compiler_params(prm):
     return pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=prm.vmem_limit,
+        # Every block index comes from our schedule, built within the block
+        # counts (clamped where built from data: schedule.enumerate_pairs),
+        # and the dQ copies' from it: the checks only cost scalar bundles
+        # each step (tpu7x 4k d=128 dK/dV: 676.4 against 684.1 us).
         disable_bounds_checks=True,
     )
 
