@@ -334,6 +334,33 @@ def test_streamed_dq_matches_reference(walk):
     )
 
 
+def test_fused_dq_copies_carried_across_kv_heads_land():
+    # dQ in VMEM goes out a q block at a time through two slots; a kv head's
+    # last copies are waited for only where the next head reuses their slots
+    # (kernel_bwd.py: defer_dq_waits), the grid's last ones at its last step.
+    # Under ON_WAIT a copy runs at its wait, so a wait skipped or moved past
+    # the slot's next write leaves that block's dQ unwritten or overwritten.
+    # 5 q blocks a head (odd: the slots' parity crosses heads), 2 batches x 2
+    # kv heads.
+    bs = dataclasses.replace(SMALL, fuse_dq=True)
+    kw = dict(q_len=600, kv_len=600, group=2, head_dim=64, head_dim_v=64, itemsize=4)
+    plan = tiling.plan(generation="v6e", block_sizes=bs, **kw)
+    assert (plan.fuse_dq, plan.stream_dq, plan.dkdv.num_q_blocks) == (True, False, 5)
+    assert tiling.grid_on_one_core()
+    _dense_case(
+        seed=7,
+        b=2,
+        hq=4,
+        hkv=2,
+        sq=600,
+        skv=600,
+        d=64,
+        causal=True,
+        block_sizes=bs,
+        interpret=pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True),
+    )
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_slabs_match_reference(causal):
     # 300 keys: two full kv blocks and a masked tail; the slab loop must be

@@ -92,6 +92,7 @@ def _dkdv_kernel(
     own_delta: bool,
     has_dlse: bool,
     stream_dq: bool = False,
+    defer_dq_waits: bool = False,
 ):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]  # own_delta: O, not delta
@@ -115,14 +116,15 @@ def _dkdv_kernel(
             (delta_ref,) = _swap_refs(prm, delta_ref)
     # dk_acc: (D, bkv); dv_acc: (Dv, bkv); p_bufs, ds_bufs: 2 x (bkv, chunk lanes);
     # fused: dq_acc (q blocks, Gb, D, br) f32, kt (D, bkv), dq_out (2, Gb, br, D), sems (2,),
-    # dq_done (1,) SMEM: q blocks of the head whose dQ is written
+    # dq_state (3,) SMEM: q blocks of the head whose dQ is written, then a
+    # flag a slot: 1 while its copy may be in flight (_write_dq_blocks)
     dk_acc, dv_acc, p0, p1, ds0, ds1 = refs[2:8]
     # stream_dq: dq_acc (3, Gb, D, br) f32 slots, kt, read and write sems (3,)
     # each, state (8,) SMEM (stream_dq_step)
     if fuse_dq and stream_dq:
         dq_acc, kt_ref, sem_r, sem_w, dq_state = refs[8:13]
     elif fuse_dq:
-        dq_acc, kt_ref, dq_out, dq_sems, dq_done = refs[8:13]
+        dq_acc, kt_ref, dq_out, dq_sems, dq_state = refs[8:13]
     o_ref = None
     if own_delta:  # delta_all: (q blocks, Gb, br) f32, each q block's delta rows
         o_ref, delta_all = delta_ref, refs[-1]
@@ -166,6 +168,7 @@ def _dkdv_kernel(
     )
     step = pl.program_id(2)
     bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
+    last_head = (bh[0] == pl.num_programs(0) - 1) & (bh[1] == pl.num_programs(1) - 1)
     j, i, flags = _decode(sched_ref, step)
     first_pair = None  # own_delta: this step is its q block's first computed pair
     if own_delta:
@@ -203,7 +206,23 @@ def _dkdv_kernel(
 
             if not dq_starts_in_pipeline:
                 lax.fori_loop(0, dq_acc.shape[0], zero, 0)
-            dq_done[0] = 0
+            dq_state[0] = 0
+
+        # Deferred (defer_dq_waits): a head's last dQ copies are waited for
+        # where the next head reuses their slots, so their latency (1.35 us
+        # each, the last one issued at the head's last step) overlaps that
+        # head's first steps instead of ending the step that issued them
+        # (tpu7x 4k d=128 dK/dV: 671.3 -> 661.1 us); only the grid's last
+        # step waits. The slot flags then carry over from head to head and
+        # start at the grid's first step.
+        @pl.when(
+            jnp.logical_and(step == 0, jnp.logical_and(bh[0] == 0, bh[1] == 0))
+            if defer_dq_waits
+            else step == 0
+        )
+        def _no_copies_in_flight():
+            dq_state[1] = 0
+            dq_state[2] = 0
 
         # Visible ranges never move back, so when the walk reaches a kv
         # block, the q blocks before its first one have had their last
@@ -213,7 +232,7 @@ def _dkdv_kernel(
         # transposes (tpu7x 8k: 139.7k stalled cycles of the launch's 5.47M).
         @pl.when(_flag(flags, bsched.INIT))
         def _write_final_dq():
-            _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dq_hbm.at[bh[0], bh[1]], dq_done, i)
+            _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dq_hbm.at[bh[0], bh[1]], dq_state, i)
 
     def add_dq(ds, r0, rc, k0, ck):
         """dQ^T of rows r0:r0+rc of each head += K^T dS^T over keys k0:k0+ck."""
@@ -581,8 +600,12 @@ def _dkdv_kernel(
         @pl.when(step == pl.num_programs(2) - 1)
         def _write_dq():
             dst = dq_hbm.at[bh[0], bh[1]]
-            _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dst, dq_done, dq_acc.shape[0])
-            _wait_dq_copies(prm, dq_out, dq_sems, dst)
+            _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dst, dq_state, dq_acc.shape[0])
+
+            @pl.when(last_head if defer_dq_waits else True)
+            def _():
+                for slot in range(dq_out.shape[0]):
+                    _settle_dq_slot(prm, dq_out, dq_sems, dst, dq_state, slot)
 
 
 def _stream_dq_step(sched_ref, step, i, flags, slots, acc, sem_r, sem_w, state):
@@ -702,38 +725,38 @@ def _dq_copy(prm, dq_out, sems, dq_hbm, qi, slot):
     return pltpu.make_async_copy(dq_out.at[slot], dst, sems.at[slot])
 
 
-def _write_dq_blocks(prm, dq_acc, dq_out, sems, dq_hbm, done, upto):
-    """dQ of the kv head's q blocks done[0]..upto-1 (dq_hbm: (Gb, rows, D)),
+def _settle_dq_slot(prm, dq_out, sems, dq_hbm, state, slot):
+    """Waits for slot's dQ copy if one may be in flight (state[1 + slot])."""
+
+    @pl.when(state[1 + slot] == 1)
+    def _():
+        # a wait needs the copy's size and semaphore only
+        _dq_copy(prm, dq_out, sems, dq_hbm, 0, slot).wait()
+        state[1 + slot] = 0
+
+
+def _write_dq_blocks(prm, dq_acc, dq_out, sems, dq_hbm, state, upto):
+    """dQ of the kv head's q blocks state[0]..upto-1 (dq_hbm: (Gb, rows, D)),
     block by block: scaled, transposed and cast into one of two VMEM slots,
-    then copied to HBM while the next block is made. Blocks are written once
-    each, in order, so block qi's slot last held block qi - 2."""
+    then copied to HBM while the next block is made. A slot's previous copy
+    (this head's block two back, or the last head's) is waited for first."""
     gb = prm.heads_in_block
     copy = functools.partial(_dq_copy, prm, dq_out, sems, dq_hbm)
 
     def body(qi, carry):
         slot = qi % 2
-
-        @pl.when(qi >= 2)
-        def _():
-            copy(qi - 2, slot).wait()
-
+        _settle_dq_slot(prm, dq_out, sems, dq_hbm, state, slot)
         for hh in range(gb):
             dqt = dq_acc[qi, hh] * prm.scale  # swapped: dQ^T is the layout
             dq_out[slot, hh] = (dqt if prm.swapped else jnp.transpose(dqt)).astype(dq_out.dtype)
         copy(qi, slot).start()
+        state[1 + slot] = 1
         return carry
 
-    lo = done[0]
+    lo = state[0]
     hi = jnp.maximum(lo, upto)
     lax.fori_loop(lo, hi, body, 0)
-    done[0] = hi
-
-
-def _wait_dq_copies(prm, dq_out, sems, dq_hbm):
-    """Waits for the head's last dQ copies (one a slot)."""
-    for slot in range(min(dq_out.shape[0], prm.geom.num_q_blocks)):
-        # a wait needs the copy's size and semaphore only
-        _dq_copy(prm, dq_out, sems, dq_hbm, 0, slot).wait()
+    state[0] = hi
 
 
 # ---------------------------------------------------------------------------
@@ -890,7 +913,7 @@ def dkdv_call(
             pltpu.VMEM((prm.head_dim, g.block_kv), k.dtype),
             pltpu.VMEM((2, gb) + blk, q5.dtype),
             pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SMEM((1,), jnp.int32),
+            pltpu.SMEM((3,), jnp.int32),
         ]
     if own_delta:
         scratch.append(pltpu.VMEM((nq, gb, g.block_pos), jnp.float32))
@@ -899,6 +922,10 @@ def dkdv_call(
             pltpu.VMEM((g.block_kv, prm.head_dim), k.dtype),
             pltpu.VMEM((g.block_kv, prm.head_dim_v), v.dtype),
         ]
+    # Deferred dQ waits carry copies from one grid step to the next: only
+    # where the whole grid runs in order on one TensorCore, and marked
+    # sequential, so even a megacore the check missed runs it on one core.
+    defer = fuse_dq and not stream_dq and tiling.grid_on_one_core()
     kernel = functools.partial(
         _dkdv_kernel,
         prm=prm,
@@ -907,6 +934,7 @@ def dkdv_call(
         own_delta=own_delta,
         has_dlse=has_dlse,
         stream_dq=stream_dq,
+        defer_dq_waits=defer,
     )
     out = pl.pallas_call(
         kernel,
@@ -918,7 +946,7 @@ def dkdv_call(
             out_specs=tuple(out_specs),
             scratch_shapes=scratch,
         ),
-        compiler_params=_compiler_params(prm),
+        compiler_params=_compiler_params(prm, sequential=defer),
         input_output_aliases=aliases,
         interpret=interpret,
         name="flash_attention_dkdv",

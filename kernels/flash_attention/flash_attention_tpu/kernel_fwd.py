@@ -918,9 +918,13 @@ def _meta_inputs(prm, aux, qmeta_spec, kmeta_spec):
     return args, specs
 
 
-def _compiler_params(prm):
+def _compiler_params(prm, sequential=False):
+    """sequential: the (batch, kv head) axes run in grid order on one core
+    (steps carry DMAs from one kv head to the next)."""
     return pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        dimension_semantics=("arbitrary",) * 3
+        if sequential
+        else ("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=prm.vmem_limit,
         # Every block index comes from our schedule, built within the block
         # counts (clamped where built from data: schedule.enumerate_pairs),

@@ -219,6 +219,15 @@ def detect_generation() -> str:
     return "tpu7x" if generation == "v5p" else generation
 
 
+def grid_on_one_core() -> bool:
+    """Whether a kernel's grid runs in order on one TensorCore: an attached
+    TPU whose JAX devices are single cores (v5e, v6e, tpu7x), or none (interpret
+    mode, ahead-of-time compiles for those). A megacore device (v5p) splits
+    a grid's parallel axes between its two cores."""
+    generation = tpu_info.attached_generation()
+    return generation is None or tpu_info.facts(generation).tensor_cores_per_device == 1
+
+
 def check_generation(generation: str) -> str:
     if generation not in GENERATIONS:
         raise ValueError(f"generation: expected one of {list(GENERATIONS)}, got {generation!r}")
