@@ -839,6 +839,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "fused dQ: the grid's last copies are never waited for",
     ),
     Mutant(
+        "fa-bwd-dq-megacore-head-end-unwaited",
+        FA_BWD,
+        "@pl.when(last_head if defer_dq_waits else True)",
+        "@pl.when(last_head if defer_dq_waits else False)",
+        (f"{T_FA}::test_fused_dq_copies_carried_across_kv_heads_land",),
+        "fused dQ, megacore: a kv head's last copies are never waited for",
+    ),
+    Mutant(
         "fa-bwd-dq-slot-reused-unwaited",
         FA_BWD,
         "        slot = qi % 2\n        _settle_dq_slot(prm, dq_out, sems, dq_hbm, state, slot)\n",

@@ -334,19 +334,22 @@ def test_streamed_dq_matches_reference(walk):
     )
 
 
-def test_fused_dq_copies_carried_across_kv_heads_land():
+@pytest.mark.parametrize("one_core", [True, False], ids=["deferred", "megacore"])
+def test_fused_dq_copies_carried_across_kv_heads_land(one_core, monkeypatch):
     # dQ in VMEM goes out a q block at a time through two slots; a kv head's
     # last copies are waited for only where the next head reuses their slots
-    # (kernel_bwd.py: defer_dq_waits), the grid's last ones at its last step.
-    # Under ON_WAIT a copy runs at its wait, so a wait skipped or moved past
-    # the slot's next write leaves that block's dQ unwritten or overwritten.
+    # (kernel_bwd.py: defer_dq_waits), the grid's last ones at its last step;
+    # on a megacore device each head waits for its own at its end. Under
+    # ON_WAIT a copy runs at its wait, so a wait skipped or moved past the
+    # slot's next write leaves that block's dQ unwritten or overwritten.
     # 5 q blocks a head (odd: the slots' parity crosses heads), 2 batches x 2
     # kv heads.
     bs = dataclasses.replace(SMALL, fuse_dq=True)
     kw = dict(q_len=600, kv_len=600, group=2, head_dim=64, head_dim_v=64, itemsize=4)
     plan = tiling.plan(generation="v6e", block_sizes=bs, **kw)
     assert (plan.fuse_dq, plan.stream_dq, plan.dkdv.num_q_blocks) == (True, False, 5)
-    assert tiling.grid_on_one_core()
+    assert tiling.grid_on_one_core()  # no TPU attached
+    monkeypatch.setattr(tiling, "grid_on_one_core", lambda: one_core)
     _dense_case(
         seed=7,
         b=2,
