@@ -510,11 +510,11 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     # 281 bundles a q row that no matmul overlapped (tpu7x 4k d=128).
     compute = _flag(flags, bsched.COMPUTE)
     masked_step = jnp.logical_and(compute, _flag(flags, bsched.MASK))
+    # the steps that run diagonal_pair (masked_pair's dispatch below)
+    diagonal_step = jnp.logical_and(masked_step, on_diagonal) if diagonal else None
     covers_every_unit = jnp.logical_and(compute, jnp.logical_not(masked_step))
     if diagonal:
-        covers_every_unit = jnp.logical_or(
-            covers_every_unit, jnp.logical_and(masked_step, on_diagonal)
-        )
+        covers_every_unit = jnp.logical_or(covers_every_unit, diagonal_step)
     fresh = jnp.logical_and(_flag(flags, bsched.INIT), covers_every_unit)
 
     @pl.when(jnp.logical_and(_flag(flags, bsched.INIT), jnp.logical_not(covers_every_unit)))
@@ -695,7 +695,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
         """chunks: (unit, first lane, key span or None) each; chunk c's
         scores go to buffer c % 2 while chunk c - 1 updates from the other.
         finishes: each unit is normalised after its last chunk (the step's
-        FINAL work, see finished_in_pipeline)."""
+        FINAL work, see _final)."""
         n = len(chunks)
         last = {ch[0]: c for c, ch in enumerate(chunks)}
         a, l0, span = chunks[0]
@@ -840,7 +840,7 @@ def _fwd_kernel(sched_ref, *refs, prm: KernelParams, interpret: bool):
     # have written its rows early, and the row's last step writes them again.
     final = _flag(flags, bsched.FINAL)
     if diagonal:
-        final = jnp.logical_and(final, jnp.logical_not(jnp.logical_and(masked_step, on_diagonal)))
+        final = jnp.logical_and(final, jnp.logical_not(diagonal_step))
 
     @pl.when(final)
     def _final():
