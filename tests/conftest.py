@@ -213,9 +213,15 @@ def pytest_collection_finish(session):
     gate.start_session_pool(session.items, share)
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_sessionfinish(session):
+    # Here, not in pytest_terminal_summary: xdist's test processes have no
+    # terminal summary, so their pools' results never reached GATE_REPORT.
     import gate
 
-    summary = gate.close_session_pool()
+    session.config.gate_summary = gate.close_session_pool()
+
+
+def pytest_terminal_summary(terminalreporter):
+    summary = getattr(terminalreporter.config, "gate_summary", None)
     if summary:
         terminalreporter.write_line(f"TPU compile gate: {summary}")

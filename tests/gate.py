@@ -107,15 +107,17 @@ class Launch:
 
     Kept in the template, so compared exactly: the kernel body and its vector
     shapes, every VMEM ref (blocks, scratch), block shapes, pipeline modes,
-    compiler parameters (the VMEM limit), dtypes, operand order. Taken out:
-    scalar literals, SMEM ref and scalar-prefetch lengths, the grid's extents
-    (any of the program's roles may explain them) and other HBM array dims
-    (only its extents may).
+    compiler parameters, dtypes, operand order. Taken out: scalar literals,
+    SMEM ref and scalar-prefetch lengths, the grid's extents (any of the
+    program's roles may explain them), other HBM array dims (only its extents
+    may) and the VMEM limit (the cover's may be smaller).
     """
 
     template: str
     # (value, kind): kind True: any role may explain it; False: an extent's
-    # role only; "le": a VMEM buffer's leading dim, at most the cover's
+    # role only; "le": a VMEM buffer's leading dim, at most the cover's; "ge":
+    # the VMEM limit, at least the cover's (what compiles under a smaller
+    # limit compiles under a larger one)
     sizes: tuple[tuple[int, bool | str], ...]
     roles: tuple[tuple[str, int], ...]  # name -> value: E0, E0-1, ..., G0, G0-1, ..., V0, ...
 
@@ -133,9 +135,15 @@ class Launch:
             if kind == "le":
                 if a > b:
                     return False
+            elif kind == "ge":
+                if a < b:
+                    return False
             elif a != b and not self.names(a, kind) & other.names(b, kind):
                 return False
         return True
+
+
+_VMEM_LIMIT = re.compile(r"\bvmem_limit_bytes=(\d+)")
 
 
 def _launch(eqn, extents: tuple[int, ...]) -> Launch:
@@ -178,6 +186,10 @@ def _launch(eqn, extents: tuple[int, ...]) -> Launch:
         sizes.append((int(m.group(1)), True))
         return f"length={_SLOT}"
 
+    def vmem_limit(m):  # a cover may compile the launch under a smaller limit
+        sizes.append((int(m.group(1)), "ge"))
+        return f"vmem_limit_bytes={_SLOT}"
+
     def jaxpr_text(j) -> str:
         return _LENGTH.sub(length, _LITERAL.sub(literal, _REF.sub(ref, str(j))))
 
@@ -197,7 +209,7 @@ def _launch(eqn, extents: tuple[int, ...]) -> Launch:
         f"name={p.get('name')}",
         f"kernel={jaxpr_text(p['jaxpr'])}",
         f"grid=({slots(','.join(map(str, grid)), True)})",
-        f"compiler_params={p.get('compiler_params')}",
+        f"compiler_params={_VMEM_LIMIT.sub(vmem_limit, str(p.get('compiler_params')))}",
         f"index_operands={k} in={gm.num_inputs} out={gm.num_outputs}",
         f"index_map_avals={_REF.sub(ref, str(gm.index_map_avals))}",
         f"scratch={_REF.sub(ref, str(gm.scratch_avals))}",
@@ -402,8 +414,7 @@ class CompilePool:
     def report(self, path: str) -> None:
         """Appends every finished point's result as JSON lines (GATE_REPORT=path;
         remove the file before a run): under xdist each test process's pool
-        adds the points it compiled (written, the last process's replaced the
-        others')."""
+        adds the points it compiled, at the end of that process's session."""
         import json
 
         with open(path, "a") as f:

@@ -2,8 +2,9 @@
 by another point's compile, and what its worker processes start with.
 
 A covered point is not compiled, so the check must refuse every difference a
-compile could fail on: blocks, buffering, VMEM limit, kernel body. Only the
-sizes a point declares as extents (rows, sequence length) may differ.
+compile could fail on: blocks, buffering, a larger VMEM limit in the cover,
+kernel body. Only the sizes a point declares as extents (rows, sequence
+length) may differ, and the cover's VMEM limit may be smaller.
 """
 
 from __future__ import annotations
@@ -55,13 +56,18 @@ def test_rows_alone_may_differ():
         {"block_m": 256},
         {"block_n": 128},
         {"chunk_m": 128},
-        {"vmem_limit_bytes": 48 * MiB},
     ],
     ids=lambda c: next(iter(c)),
 )
 def test_other_blocks_are_not_covered(change):
     assert not _covered(_gmm(1024), _gmm(4096, **change))
     assert not _covered(_gmm(1024, **change), _gmm(4096))
+
+
+def test_a_compile_under_a_smaller_vmem_limit_covers_a_larger_one_only():
+    # What Mosaic fits in 32 MiB it fits in 48; not the other way round.
+    assert _covered(_gmm(1024, vmem_limit_bytes=48 * MiB), _gmm(4096))
+    assert not _covered(_gmm(1024), _gmm(4096, vmem_limit_bytes=48 * MiB))
 
 
 def test_single_row_tile_is_not_covered_by_several():

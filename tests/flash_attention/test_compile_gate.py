@@ -1,24 +1,27 @@
 """flash_attention_tpu compiles for real TPU generations (libtpu AOT, no chip).
 
-Model shapes: batch 1, 32 query heads / 8 kv heads, bf16. A "bwd" point
-compiles jax.grad of the attention, i.e. the forward kernel (with its
-residuals) plus the dK/dV and dQ kernels; a "fwd" point is the inference path.
+Model shapes: batch 1, 32 query heads / 8 kv heads, bf16. A "fwd" point
+compiles the inference forward; a "bwd" point the backward rule alone (the
+dK/dV kernel, or dK/dV and dQ), from the forward's output and residuals: the
+two hold every launch of jax.grad of the attention
+(test_fwd_and_bwd_programs_hold_every_launch_of_a_training_step), and the
+forward's launch no longer compiles once per backward point (head dims off
+the grid, which have no fwd point, compile the whole training step).
 
 The whole matrix runs in CI: generation x head_dim x {1k, 8k, 32k} x
 {causal, windowed} x {fwd, bwd}, windowed from 8k, plus decode fwd/bwd and
-8k causal bwd at head_dim 40 and 224, v5e at head_dim 128 only (88 points). The
-prefill points of one generation, head_dim and mask get the same blocks, so
-the 32k bwd program holds every launch of the others at other sequence
-lengths (and the fwd launch is the one its bwd makes): they are checked as
-covered by tracing (tests/gate.py) instead of compiled. Where the backward
-fuses dQ into the dK/dV kernel (tiling.Plan.fuse_dq: in VMEM on v6e up to
-32k at d <= 128, on tpu7x up to 8k; streamed through HBM beyond) the longest
-bwd program with the same dQ covers the shorter ones instead,
-so 35 points have no cover and compile, in a pool of worker processes (one
-per core). Measured alone on the shared 2-core machine (`time pytest` of
-this module): 17.5 CPU-minutes with 63 compiles and the session's compiler
-dumps on in the workers, 5.6 after; 7.2 (5:20 wall) with the fused
-programs (2026-12-04).
+8k causal bwd at head_dim 40 and 224, v5e at head_dim 128 only (88 points).
+Points of one generation, head_dim, mask and direction with the same blocks
+are checked as covered by the longest one's program, by tracing
+(tests/gate.py), instead of compiled: every prefill length's forward with
+the same forward blocks, every backward with the same table entry and dQ
+(tiling.Plan.fuse_dq: in VMEM on v6e up to 32k at d <= 128, on tpu7x up to
+8k; streamed through HBM beyond). The rest compile in the session's pool of
+worker processes. Measured alone on the shared 2-core machine (`time pytest`
+of this module, 2 test processes): 7:30 wall and 14.3 CPU-minutes when a
+bwd point compiled the whole training step (44 programs), 6:01 and 11.4
+with the forward compiled once per fwd point (62 smaller programs,
+2026-12-06).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import pytest
 
 from flash_attention_tpu import api as fa
+from flash_attention_tpu import checks as fa_checks
 from flash_attention_tpu import tiling as fa_tiling
 from gate import GENERATIONS, GateProgram, session_pool, spec
 
@@ -71,21 +75,67 @@ if os.environ.get("COMPILE_GATE") == "subset":
     POINTS = [p for p in POINTS if p[:4] in SUBSET]
 
 
-def _fn(generation, mask, kind):
-    kw = dict(causal=True, config=generation)
-    if mask == "window":
-        kw["window_size"] = WINDOW
+def _program(generation, mask, kind, q, k, v):
+    """(fn, args) of one program. fwd: the inference forward. bwd: the
+    backward rule alone, from the forward's output and residuals, as a
+    training step's backward runs it (the forward's launch is the fwd
+    points' to compile: a training program compiled it once more per
+    backward point, about 40% of each compile). train: jax.grad of the whole
+    attention, forward and backward in one program."""
+    window = WINDOW if mask == "window" else (-1, -1)
+    if kind in ("fwd", "train"):
 
-    def fwd(q, k, v):
-        return fa.flash_attention(q, k, v, **kw)
+        def fwd(q, k, v):
+            return fa.flash_attention(q, k, v, causal=True, window_size=window, config=generation)
 
-    if kind == "fwd":
-        return fwd
+        if kind == "fwd":
+            return fwd, [q, k, v]
 
-    def loss(q, k, v):
-        return jnp.sum(fwd(q, k, v).astype(jnp.float32))
+        def loss(q, k, v):
+            return jnp.sum(fwd(q, k, v).astype(jnp.float32))
 
-    return jax.grad(loss, argnums=(0, 1, 2))
+        return jax.grad(loss, argnums=(0, 1, 2)), [q, k, v]
+    # The statics flash_attention hands its rules (api.py).
+    pb = fa_checks.check_inputs(q, k, v, window_size=window)
+    st = dict(
+        causal=True,
+        window_size=(pb.left, pb.right),
+        softcap=None,
+        softmax_scale=None,
+        config=generation,
+        interpret=False,
+        return_lse=False,
+    )
+    absent = (None, None, None)  # sinks, q and kv segment ids
+    out, res = jax.eval_shape(
+        lambda q, k, v: fa.flash_attention_fwd(q, k, v, *absent, **st), q, k, v
+    )
+
+    def bwd(q, k, v, out, *rest):
+        *res, do = rest
+        return fa.flash_attention_bwd((q, k, v, *absent), out, tuple(res), do, **st)[:3]
+
+    return bwd, [q, k, v, out, *res, out]  # dO: the output's shape and dtype
+
+
+def _fwd_cover_len(generation, head_dim, seq):
+    """The longest prefill length whose forward blocks are this length's: its
+    fwd program holds this one's launch, at other sequence extents."""
+
+    def key(s):
+        p = fa_tiling.plan(
+            generation=generation,
+            q_len=s,
+            kv_len=s,
+            group=HQ // HKV,
+            head_dim=head_dim,
+            head_dim_v=head_dim,
+            itemsize=2,
+        )
+        g = p.fwd
+        return (g.seq_major, g.block_pos, g.rows, g.block_kv, p.sub_block, p.slab_rows)
+
+    return max(s for s in PREFILL if key(s) == key(seq))
 
 
 def _cover_len(generation, head_dim, seq):
@@ -122,13 +172,13 @@ def _cover_len(generation, head_dim, seq):
 def gate_program(point) -> GateProgram:
     """The program a point compiles (called in the gate's worker processes).
 
-    Candidate cover: the bwd point of the same generation, head_dim and mask at
-    the longest prefill length with the same table entry (_cover_len). Within
-    an entry the blocks are equal, and the length only sets the sequence
-    extents, the scalar mask bounds and the block schedule's length (SMEM):
-    the longest bwd program holds every VMEM buffer and vector shape of the
-    shorter ones, and of the fwd kernel, whose launch is the one its bwd makes.
-    Each point is traced against it (tests/gate.py) and compiled if it differs.
+    Candidate cover, same generation, head_dim, mask and direction: for bwd,
+    the longest prefill length with the same table entry and dQ (_cover_len);
+    for fwd, the longest with the same forward blocks (_fwd_cover_len). With
+    equal blocks the length only sets the sequence extents, the scalar mask
+    bounds and the block schedule's length (SMEM): the longest program holds
+    every VMEM buffer and vector shape of the shorter ones. Each point is
+    traced against it (tests/gate.py) and compiled if it differs.
     """
     if point[0] in EXTRA:
         return EXTRA[point[0]]()
@@ -136,22 +186,25 @@ def gate_program(point) -> GateProgram:
         return _vmem_estimate_program(point)
     generation, head_dim, seq, mask, kind = point
     q_len, kv_len = (1, 32768) if seq == DECODE else (seq, seq)
-    args = [
+    qkv = (
         spec((1, HQ, q_len, head_dim)),
         spec((1, HKV, kv_len, head_dim)),
         spec((1, HKV, kv_len, head_dim)),
-    ]
-    cover = (
-        generation,
-        head_dim,
-        seq if seq == DECODE else _cover_len(generation, head_dim, seq),
-        mask,
-        "bwd",
     )
     if point == SWAPPED_POINT:
-        return GateProgram(_fn(generation, mask, kind), args, generation, check=_no_layout_copies)
+        fn, args = _program(generation, mask, "train", *qkv)
+        return GateProgram(fn, args, generation, check=_no_layout_copies)
+    if kind == "bwd" and (generation, head_dim, seq, mask, "fwd") not in POINTS:
+        kind = "train"  # head dims off the grid: no fwd point compiles their forward
+    fn, args = _program(generation, mask, kind, *qkv)
+    if seq == DECODE:
+        cover = None
+    elif kind == "fwd":
+        cover = (generation, head_dim, _fwd_cover_len(generation, head_dim, seq), mask, "fwd")
+    else:
+        cover = (generation, head_dim, _cover_len(generation, head_dim, seq), mask, "bwd")
     return GateProgram(
-        _fn(generation, mask, kind),
+        fn,
         args,
         generation,
         covered_by=cover if cover != point and cover in POINTS else None,
@@ -243,17 +296,21 @@ def _vmem_estimate_program(point) -> GateProgram:
     its VMEM limit (the budget is read while tracing, in the worker)."""
     _, gen, d, t, kind = point
     _, need = _estimate(point)
-    inner = _fn(gen, "causal", kind)
+    qkv = (spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d)))
+    saved = fa_tiling.VMEM_BUDGET_BYTES[gen]
+    fa_tiling.VMEM_BUDGET_BYTES[gen] = need  # read while tracing, also by _program's eval_shape
+    try:
+        inner, args = _program(gen, "causal", kind, *qkv)
+    finally:
+        fa_tiling.VMEM_BUDGET_BYTES[gen] = saved
 
     def fn(*args):
-        saved = fa_tiling.VMEM_BUDGET_BYTES[gen]
         fa_tiling.VMEM_BUDGET_BYTES[gen] = need
         try:
             return inner(*args)
         finally:
             fa_tiling.VMEM_BUDGET_BYTES[gen] = saved
 
-    args = [spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d))]
     return GateProgram(fn, args, gen)
 
 
@@ -289,3 +346,27 @@ SWAPPED_POINT = ("tpu7x", 64, 8192, "causal", "bwd")  # compiled anyway: no cove
 def test_short_head_dims_cross_into_the_kernels_without_a_copy(pool):
     assert gate_program(SWAPPED_POINT).check is _no_layout_copies
     pool.assert_ok(__file__, SWAPPED_POINT)
+
+
+@pytest.mark.parametrize(
+    "case", [("tpu7x", 128, 8192, "window"), ("v6e", 64, DECODE, "causal")], ids=str
+)
+def test_fwd_and_bwd_programs_hold_every_launch_of_a_training_step(case):
+    # A bwd point compiles the backward rule alone: its training step's
+    # forward launch must be the fwd point's, and nothing else may differ.
+    from gate import pallas_launches
+
+    generation, head_dim, seq, mask = case
+    q_len, kv_len = (1, 32768) if seq == DECODE else (seq, seq)
+    qkv = (
+        spec((1, HQ, q_len, head_dim)),
+        spec((1, HKV, kv_len, head_dim)),
+        spec((1, HKV, kv_len, head_dim)),
+    )
+    train = pallas_launches(*_program(generation, mask, "train", *qkv))
+    parts = [
+        *pallas_launches(*_program(generation, mask, "fwd", *qkv)),
+        *pallas_launches(*_program(generation, mask, "bwd", *qkv)),
+    ]
+    assert len(train) == len(parts) == 2
+    assert all(any(t.same_kernel(p) and p.same_kernel(t) for p in parts) for t in train)
