@@ -118,20 +118,24 @@ def _program(generation, mask, kind, q, k, v):
     return bwd, [q, k, v, out, *res, out]  # dO: the output's shape and dtype
 
 
+def _plan(generation, head_dim, seq):
+    return fa_tiling.plan(
+        generation=generation,
+        q_len=seq,
+        kv_len=seq,
+        group=HQ // HKV,
+        head_dim=head_dim,
+        head_dim_v=head_dim,
+        itemsize=2,
+    )
+
+
 def _fwd_cover_len(generation, head_dim, seq):
     """The longest prefill length whose forward blocks are this length's: its
     fwd program holds this one's launch, at other sequence extents."""
 
     def key(s):
-        p = fa_tiling.plan(
-            generation=generation,
-            q_len=s,
-            kv_len=s,
-            group=HQ // HKV,
-            head_dim=head_dim,
-            head_dim_v=head_dim,
-            itemsize=2,
-        )
+        p = _plan(generation, head_dim, s)
         g = p.fwd
         return (g.seq_major, g.block_pos, g.rows, g.block_kv, p.sub_block, p.slab_rows)
 
@@ -141,8 +145,7 @@ def _fwd_cover_len(generation, head_dim, seq):
 def _cover_len(generation, head_dim, seq):
     """The longest prefill length whose table entry (blocks) and dQ fusion are
     this length's: v6e's backward takes 1024-key blocks from 4k tokens, so its
-    1k points are covered by the 1k bwd program (fwd) or compile themselves
-    (bwd); dQ fused into the dK/dV kernel (while the kv head's dQ fits in VMEM)
+    1k bwd points compile themselves; dQ fused into the dK/dV kernel (while the kv head's dQ fits in VMEM)
     makes another program, which covers the shorter fused ones (tests/gate.py:
     its per-q-block dQ buffer is their buffer with more slots), and so do dQ
     streamed through HBM and delta derived in that kernel (it reads O in
@@ -150,15 +153,7 @@ def _cover_len(generation, head_dim, seq):
     dclass = fa_tiling.head_dim_class(head_dim, head_dim)
 
     def key(s):
-        plan = fa_tiling.plan(
-            generation=generation,
-            q_len=s,
-            kv_len=s,
-            group=HQ // HKV,
-            head_dim=head_dim,
-            head_dim_v=head_dim,
-            itemsize=2,
-        )
+        plan = _plan(generation, head_dim, s)
         return (
             fa_tiling._entry(generation, s, s, dclass),
             plan.fuse_dq,
