@@ -20,7 +20,7 @@ the same forward blocks, every backward with the same table entry and dQ
 worker processes. Measured alone on the shared 2-core machine (`time pytest`
 of this module, 2 test processes): 7:30 wall and 14.3 CPU-minutes when a
 bwd point compiled the whole training step (44 programs), 6:01 and 11.4
-with the forward compiled once per fwd point (62 smaller programs,
+with the forward compiled once per fwd point (64 smaller programs,
 2026-12-06).
 """
 
@@ -80,7 +80,7 @@ def _program(generation, mask, kind, q, k, v):
     backward rule alone, from the forward's output and residuals, as a
     training step's backward runs it (the forward's launch is the fwd
     points' to compile: a training program compiled it once more per
-    backward point, about 40% of each compile). train: jax.grad of the whole
+    backward point, about half of each compile). train: jax.grad of the whole
     attention, forward and backward in one program."""
     window = WINDOW if mask == "window" else (-1, -1)
     if kind in ("fwd", "train"):
@@ -145,11 +145,11 @@ def _fwd_cover_len(generation, head_dim, seq):
 def _cover_len(generation, head_dim, seq):
     """The longest prefill length whose table entry (blocks) and dQ fusion are
     this length's: v6e's backward takes 1024-key blocks from 4k tokens, so its
-    1k bwd points compile themselves; dQ fused into the dK/dV kernel (while the kv head's dQ fits in VMEM)
-    makes another program, which covers the shorter fused ones (tests/gate.py:
-    its per-q-block dQ buffer is their buffer with more slots), and so do dQ
-    streamed through HBM and delta derived in that kernel (it reads O in
-    place of delta)."""
+    1k bwd points compile themselves; dQ fused into the dK/dV kernel (while
+    the kv head's dQ fits in VMEM) makes another program, which covers the
+    shorter fused ones (tests/gate.py: its per-q-block dQ buffer is their
+    buffer with more slots), and so do dQ streamed through HBM and delta
+    derived in that kernel (it reads O in place of delta)."""
     dclass = fa_tiling.head_dim_class(head_dim, head_dim)
 
     def key(s):
