@@ -118,6 +118,16 @@ def _program(generation, mask, kind, q, k, v):
     return bwd, [q, k, v, out, *res, out]  # dO: the output's shape and dtype
 
 
+def _qkv(head_dim, seq):
+    """q, k, v of a point: seq positions each, or decode's one query on 32k keys."""
+    q_len, kv_len = (1, 32768) if seq == DECODE else (seq, seq)
+    return (
+        spec((1, HQ, q_len, head_dim)),
+        spec((1, HKV, kv_len, head_dim)),
+        spec((1, HKV, kv_len, head_dim)),
+    )
+
+
 def _plan(generation, head_dim, seq):
     return fa_tiling.plan(
         generation=generation,
@@ -180,12 +190,7 @@ def gate_program(point) -> GateProgram:
     if point[0] == "vmem_at_estimate":
         return _vmem_estimate_program(point)
     generation, head_dim, seq, mask, kind = point
-    q_len, kv_len = (1, 32768) if seq == DECODE else (seq, seq)
-    qkv = (
-        spec((1, HQ, q_len, head_dim)),
-        spec((1, HKV, kv_len, head_dim)),
-        spec((1, HKV, kv_len, head_dim)),
-    )
+    qkv = _qkv(head_dim, seq)
     if point == SWAPPED_POINT:
         fn, args = _program(generation, mask, "train", *qkv)
         return GateProgram(fn, args, generation, check=_no_layout_copies)
@@ -291,7 +296,7 @@ def _vmem_estimate_program(point) -> GateProgram:
     its VMEM limit (the budget is read while tracing, in the worker)."""
     _, gen, d, t, kind = point
     _, need = _estimate(point)
-    qkv = (spec((1, HQ, t, d)), spec((1, HKV, t, d)), spec((1, HKV, t, d)))
+    qkv = _qkv(d, t)
     saved = fa_tiling.VMEM_BUDGET_BYTES[gen]
     fa_tiling.VMEM_BUDGET_BYTES[gen] = need  # read while tracing, also by _program's eval_shape
     try:
@@ -352,12 +357,7 @@ def test_fwd_and_bwd_programs_hold_every_launch_of_a_training_step(case):
     from gate import pallas_launches
 
     generation, head_dim, seq, mask = case
-    q_len, kv_len = (1, 32768) if seq == DECODE else (seq, seq)
-    qkv = (
-        spec((1, HQ, q_len, head_dim)),
-        spec((1, HKV, kv_len, head_dim)),
-        spec((1, HKV, kv_len, head_dim)),
-    )
+    qkv = _qkv(head_dim, seq)
     train = pallas_launches(*_program(generation, mask, "train", *qkv))
     parts = [
         *pallas_launches(*_program(generation, mask, "fwd", *qkv)),
