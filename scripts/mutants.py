@@ -955,6 +955,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "dK/dV schedule: FIRST on each q block's second pair, delta derived late",
     ),
     Mutant(
+        "fa-o-block-late",
+        FA_SCHED,
+        "xp.where(nxt < n, nxt, last)",
+        "xp.where(nxt + 1 < n, nxt + 1, last)",
+        (
+            f"{T_FA}::test_schedule_visits_exactly_visible_pairs",
+            f"{T_FA}::test_backward_chunk_layouts_match_reference",
+        ),
+        "dK/dV schedule: O holds the q block after each FIRST step's, delta from the wrong O",
+    ),
+    Mutant(
+        "fa-o-block-every-step",
+        FA_SCHED,
+        "    o = xp.where(last >= 0, o, 0)\n",
+        "    o = q\n",
+        (f"{T_FA}::test_schedule_visits_exactly_visible_pairs",),
+        "dK/dV schedule: O's block follows every step's q block (copied where it is not read)",
+    ),
+    Mutant(
+        "fa-o-block-map",
+        FA_BWD,
+        "minor(s[steps + p], 0)",
+        "minor(s[steps], 0)",
+        (f"{T_FA}::test_backward_chunk_layouts_match_reference",),
+        "dK/dV own delta: O's index map holds the first FIRST step's block at every step",
+    ),
+    Mutant(
         "fa-own-delta-chunk-offset",
         FA_BWD,
         "            ref[pl.ds(hh, 1), off : off + lc] = x",

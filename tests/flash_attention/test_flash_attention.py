@@ -1101,6 +1101,22 @@ def test_schedule_visits_exactly_visible_pairs(sq, skv, group, causal, window, b
         assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
         assert np.all(np.diff(outer) >= 0)
         _assert_first_visits(qi, flags, q_major)
+    _assert_o_blocks(cols_sched)
+
+
+def _assert_o_blocks(words, xp=np):
+    """with_o_blocks: at every FIRST step (where dK/dV reads O) O's block is
+    that step's q block, and it changes only where a later FIRST step needs
+    another, so each q block's O is copied once."""
+    words = np.asarray(words)
+    both = np.asarray(bsched.with_o_blocks(xp.asarray(words), xp=xp))
+    n = len(words)
+    np.testing.assert_array_equal(both[:n], words)
+    o = both[n:]
+    _, qi, flags = bsched.decode_word(words)
+    first = (flags & bsched.FIRST) != 0
+    np.testing.assert_array_equal(o[first], qi[first])
+    assert np.count_nonzero(np.diff(o)) <= max(np.count_nonzero(first) - 1, 0)
 
 
 def _assert_first_visits(qi, flags, q_major):
@@ -1239,6 +1255,7 @@ def test_varlen_schedule_bound_and_coverage(lq, lk):
             assert np.array_equal(outer[(flags & bsched.INIT) != 0], np.arange(n_outer))
             assert np.array_equal(outer[(flags & bsched.FINAL) != 0], np.arange(n_outer))
             _assert_first_visits(qi, flags, q_major)
+        _assert_o_blocks(cols, xp=jnp)
 
 
 # ---------------------------------------------------------------------------

@@ -860,7 +860,8 @@ def dkdv_call(
     stream_dq=False,
 ):
     """(dk, dv), or (dk, dv, dq5) with fuse_dq. o5 (fused only) in place of
-    delta (None): the kernel derives delta itself, minus dlse if given.
+    delta (None): the kernel derives delta itself, minus dlse if given, and
+    sched is schedule.with_o_blocks' (O's block index after the steps).
     stream_dq (fused only): dQ accumulates in HBM, not in VMEM."""
     b, hkv = k.shape[0], k.shape[1]
     g = prm.geom
@@ -874,11 +875,21 @@ def dkdv_call(
         prm, q5, k, v, do5, lse, o5 if own_delta else delta, aux, False, batch_meta
     )
     has_dlse = own_delta and dlse is not None
-    if own_delta:
-        specs[5] = q_spec(prm.head_dim_v)
+    steps = sched.shape[0] // 2 if own_delta else sched.shape[0]
+    if own_delta:  # O and dlse, read at FIRST steps only: blocks by the second half
+        minor = functools.partial(_minor_dims, prm)
+        specs[5] = pl.BlockSpec(
+            (None, None, gb) + minor(g.block_pos, prm.head_dim_v),
+            lambda b, h, p, s: (b, h, 0) + minor(s[steps + p], 0),
+        )
         if has_dlse:
             args.insert(6, dlse.astype(jnp.float32))
-            specs.insert(6, specs[4])  # lse's
+            specs.insert(
+                6,
+                pl.BlockSpec(
+                    (None, None, gb, g.block_pos), lambda b, h, p, s: (b, h, 0, s[steps + p])
+                ),
+            )
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [kv_spec(prm.head_dim), kv_spec(prm.head_dim_v)]
     lc = prm.block_chunk_lanes
@@ -941,7 +952,7 @@ def dkdv_call(
         out_shape=tuple(out_shape),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(b, hkv, sched.shape[0]),
+            grid=(b, hkv, steps),
             in_specs=specs,
             out_specs=tuple(out_specs),
             scratch_shapes=scratch,

@@ -117,6 +117,35 @@ def first_visits(kv, q, flags, lo, xp=np):
     return xp.where(((flags & COMPUTE) != 0) & (kv == lo[q]), FIRST, 0).astype(np.int32)
 
 
+def with_o_blocks(words, xp=np):
+    """A kv-major schedule followed by, per step, the q block whose O block
+    the dK/dV kernel holds (2 x steps words; the grid walks the first half).
+
+    O is read only at a q block's FIRST step, where the kernel derives its
+    delta; the other steps read q, dO and lse. Pallas copies an input's
+    block only when its index changes from the step before, so O's index
+    is the q block of the next FIRST step (this one's when FIRST; the last
+    FIRST's past it, 0 if none): each O block moves once, a FIRST step or
+    more ahead of its use. It moved at every step, one q-side block in
+    three (v6e 8k d=256: 448 of its 576 copies of 1 MiB were not read).
+    """
+    n = words.shape[0]
+    _, q, flags = decode_word(words)
+    step = xp.arange(n, dtype=np.int32)
+    first = (flags & FIRST) != 0
+    at = xp.where(first, step, n)
+    if xp is np:
+        nxt = np.minimum.accumulate(at[::-1])[::-1]
+    else:
+        from jax import lax
+
+        nxt = lax.cummin(at, reverse=True)
+    last = xp.max(xp.where(first, step, -1))
+    o = q[xp.clip(xp.where(nxt < n, nxt, last), 0, n - 1)]
+    o = xp.where(last >= 0, o, 0)
+    return xp.concatenate([words, o.astype(np.int32)])
+
+
 def pack(outer, inner, flags, xp=np):
     return (
         (outer.astype(np.int32) << OUTER_SHIFT)
