@@ -166,8 +166,26 @@ def _dkdv_kernel(
         and prm.left >= bsched.UNBOUNDED
         and prm.q_offset >= 0
     )
+    # Where the grid runs in order (defer_dq_waits) and the diagonal pairs
+    # start each kv block's walk (q_offset 0, a kv block one or two q
+    # blocks), each kv block's first step (INIT: its d = 0 diagonal pair)
+    # writes the dQ of the q blocks the walk has finished, those of the
+    # kv block before, or at a head's first step the last head's last ones
+    # (no kv block follows theirs): the same number each time, so their
+    # scaling, transposes and casts go into that pair's unrolled pipeline,
+    # one basic block, where the scheduler overlaps them with its matmuls.
+    # Written by a loop of their own, they were 595 bundles a block that no
+    # matmul overlapped (v6e 8k d=256: 128 blocks, 76k cycles of 6.08M).
+    dq_writes_in_pipeline = (
+        dq_starts_in_pipeline
+        and defer_dq_waits
+        and prm.q_offset == 0
+        and bkv % br == 0
+        and bkv // br <= 2
+    )
     step = pl.program_id(2)
     bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
+    heads = pl.num_programs(1)
     last_head = (bh[0] == pl.num_programs(0) - 1) & (bh[1] == pl.num_programs(1) - 1)
     j, i, flags = _decode(sched_ref, step)
     first_pair = None  # own_delta: this step is its q block's first computed pair
@@ -230,9 +248,28 @@ def _dkdv_kernel(
         # steps that follow. Written all at the head's end, each waited for
         # the copy two blocks back, and a copy's latency outlasts two blocks'
         # transposes (tpu7x 8k: 139.7k stalled cycles of the launch's 5.47M).
-        @pl.when(_flag(flags, bsched.INIT))
-        def _write_final_dq():
-            _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dq_hbm.at[bh[0], bh[1]], dq_state, i)
+        if not dq_writes_in_pipeline:
+
+            @pl.when(_flag(flags, bsched.INIT))
+            def _write_final_dq():
+                dst = dq_hbm.at[bh[0], bh[1]]
+                _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dst, dq_state, i)
+
+    def carried_dq_writes():
+        """(q block, slot, its head's dQ in HBM) of each block the INIT step
+        writes (dq_writes_in_pipeline), and whether there are any (not at
+        the grid's first step)."""
+        ratio = bkv // br
+        head = bh[0] * heads + bh[1]
+        prev = jnp.maximum(head - 1, 0)
+        later = j > 0
+        dst = dq_hbm.at[
+            jnp.where(later, bh[0], lax.div(prev, heads)),
+            jnp.where(later, bh[1], lax.rem(prev, heads)),
+        ]
+        nq = dq_acc.shape[0]
+        blocks = [jnp.where(later, i - r, nq - r) for r in range(ratio, 0, -1)]
+        return [(qi, lax.rem(qi, 2), dst) for qi in blocks], jnp.logical_or(later, head > 0)
 
     def add_dq(ds, r0, rc, k0, ck):
         """dQ^T of rows r0:r0+rc of each head += K^T dS^T over keys k0:k0+ck."""
@@ -509,7 +546,26 @@ def _dkdv_kernel(
         ]
         # d >= 0: key range 0 reaches every row, once each
         starts = dq_starts_in_pipeline and d >= 0
+        if not (dq_writes_in_pipeline and d == 0):
+            static_pair(chunks, functools.partial(diagonal_mask, d=d), starts)
+            return
+        writes, any_writes = carried_dq_writes()
+
+        @pl.when(any_writes)
+        def _():
+            for _, slot, dst in writes:
+                _settle_dq_slot(prm, dq_out, dq_sems, dst, dq_state, slot)
+
+        for qi, slot, _ in writes:  # before the matmuls: the loads precede dQ's stores
+            _fill_dq_slot(prm, dq_acc, dq_out, qi, slot)
         static_pair(chunks, functools.partial(diagonal_mask, d=d), starts)
+
+        @pl.when(any_writes)
+        def _():
+            for qi, slot, dst in writes:
+                _start_dq_copy(prm, dq_out, dq_sems, dst, dq_state, qi, slot)
+
+        dq_state[0] = i  # the last step writes the grid's last blocks from here
 
     def static_pair(chunks, triangle, dq_starts=False):
         """dq_starts: the chunks of key range 0 start their lanes' dQ where
@@ -596,8 +652,10 @@ def _dkdv_kernel(
     if fuse_dq and stream_dq:
         release_dq()
     elif fuse_dq:
+        last_step = step == pl.num_programs(2) - 1
 
-        @pl.when(step == pl.num_programs(2) - 1)
+        # dq_writes_in_pipeline: a head's last blocks are the next head's to write
+        @pl.when(jnp.logical_and(last_step, last_head) if dq_writes_in_pipeline else last_step)
         def _write_dq():
             dst = dq_hbm.at[bh[0], bh[1]]
             _write_dq_blocks(prm, dq_acc, dq_out, dq_sems, dst, dq_state, dq_acc.shape[0])
@@ -735,22 +793,29 @@ def _settle_dq_slot(prm, dq_out, sems, dq_hbm, state, slot):
         state[1 + slot] = 0
 
 
+def _fill_dq_slot(prm, dq_acc, dq_out, qi, slot):
+    """q block qi's dQ, scaled, transposed and cast, into VMEM slot `slot`."""
+    for hh in range(prm.heads_in_block):
+        dqt = dq_acc[qi, hh] * prm.scale  # swapped: dQ^T is the layout
+        dq_out[slot, hh] = (dqt if prm.swapped else jnp.transpose(dqt)).astype(dq_out.dtype)
+
+
+def _start_dq_copy(prm, dq_out, sems, dq_hbm, state, qi, slot):
+    _dq_copy(prm, dq_out, sems, dq_hbm, qi, slot).start()
+    state[1 + slot] = 1
+
+
 def _write_dq_blocks(prm, dq_acc, dq_out, sems, dq_hbm, state, upto):
     """dQ of the kv head's q blocks state[0]..upto-1 (dq_hbm: (Gb, rows, D)),
     block by block: scaled, transposed and cast into one of two VMEM slots,
     then copied to HBM while the next block is made. A slot's previous copy
     (this head's block two back, or the last head's) is waited for first."""
-    gb = prm.heads_in_block
-    copy = functools.partial(_dq_copy, prm, dq_out, sems, dq_hbm)
 
     def body(qi, carry):
         slot = qi % 2
         _settle_dq_slot(prm, dq_out, sems, dq_hbm, state, slot)
-        for hh in range(gb):
-            dqt = dq_acc[qi, hh] * prm.scale  # swapped: dQ^T is the layout
-            dq_out[slot, hh] = (dqt if prm.swapped else jnp.transpose(dqt)).astype(dq_out.dtype)
-        copy(qi, slot).start()
-        state[1 + slot] = 1
+        _fill_dq_slot(prm, dq_acc, dq_out, qi, slot)
+        _start_dq_copy(prm, dq_out, sems, dq_hbm, state, qi, slot)
         return carry
 
     lo = state[0]
