@@ -1006,6 +1006,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "dK/dV: a kv block's first step writes its own first q block's dQ, before its sum ends",
     ),
     Mutant(
+        "fa-kv-init-skipped",
+        FA_BWD,
+        "        init_kv_block()  # its stores and transposes beside the matmuls, as the dQ's\n",
+        "",
+        (f"{T_FA}::test_fused_dq_written_inside_the_diagonal_pipelines_lands",),
+        "dK/dV: the INIT step's diagonal pipeline neither zeroes dK, dV nor stores K^T",
+    ),
+    Mutant(
         "fa-dq-inside-slot",
         FA_BWD,
         "        return [(qi, lax.rem(qi, 2), dst) for qi in blocks], ",

@@ -176,6 +176,7 @@ def _dkdv_kernel(
     # one basic block, where the scheduler overlaps them with its matmuls.
     # Written by a loop of their own, they were 595 bundles a block that no
     # matmul overlapped (v6e 8k d=256: 128 blocks, 76k cycles of 6.08M).
+    # The kv block's own start (zeroed dK, dV; K^T for dQ) goes there too.
     dq_writes_in_pipeline = (
         dq_starts_in_pipeline
         and defer_dq_waits
@@ -193,8 +194,7 @@ def _dkdv_kernel(
         delta_ref = delta_all.at[i]
         first_pair = _flag(flags, bsched.FIRST)
 
-    @pl.when(_flag(flags, bsched.INIT))
-    def _init():
+    def init_kv_block():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
         if prm.swapped:
@@ -205,6 +205,9 @@ def _dkdv_kernel(
             if kv_tail:  # unspecified keys past the end must not reach K^T dS^T
                 kt = jnp.where(_key_valid_row(prm, j, 0, bkv), kt, jnp.zeros_like(kt))
             kt_ref[...] = kt
+
+    if not dq_writes_in_pipeline:  # else the INIT step's diagonal pipeline does it
+        pl.when(_flag(flags, bsched.INIT))(init_kv_block)
 
     dq_here = None  # this step's q block's dQ^T accumulator, (Gb, D, br) f32
     if fuse_dq and stream_dq:
@@ -556,6 +559,7 @@ def _dkdv_kernel(
             for _, slot, dst in writes:
                 _settle_dq_slot(prm, dq_out, dq_sems, dst, dq_state, slot)
 
+        init_kv_block()  # its stores and transposes beside the matmuls, as the dQ's
         for qi, slot, _ in writes:  # before the matmuls: the loads precede dQ's stores
             _fill_dq_slot(prm, dq_acc, dq_out, qi, slot)
         static_pair(chunks, functools.partial(diagonal_mask, d=d), starts)
