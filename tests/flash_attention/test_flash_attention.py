@@ -364,21 +364,22 @@ def test_fused_dq_copies_carried_across_kv_heads_land(one_core, monkeypatch):
     )
 
 
-def test_fused_dq_written_inside_the_diagonal_pipelines_lands():
-    # Causal over whole blocks, 512-row dK/dV blocks of 1024 keys: each kv
-    # block's first step writes the dQ of the q blocks the walk has finished
-    # inside its diagonal pair's pipeline, and a head's first step the last
-    # head's last two (kernel_bwd.py: dq_writes_in_pipeline). 2 batches x 2
-    # kv heads: the carried blocks cross a head and a batch. Under ON_WAIT
-    # with race detection, a block written to another head's or block's
-    # rows, or a slot filled before its copy ran, fails.
+@pytest.mark.parametrize("block_kv", [1024, 512], ids=["two-q-blocks-a-kv-block", "one"])
+def test_fused_dq_written_inside_the_diagonal_pipelines_lands(block_kv):
+    # Causal over whole blocks, 512-row dK/dV blocks of 1024 or 512 keys:
+    # each kv block's first step writes the dQ of the q blocks the walk has
+    # finished inside its diagonal pair's pipeline, and a head's first step
+    # the last head's last ones (kernel_bwd.py: dq_writes_in_pipeline). 2
+    # batches x 2 kv heads: the carried blocks cross a head and a batch.
+    # Under ON_WAIT with race detection, a block written to another head's
+    # or block's rows, or a slot filled before its copy ran, fails.
     bs = tiling.BlockSizes(
-        block_q=512, block_kv=1024, block_q_bwd=512, block_kv_bwd=1024, max_rows=4096
+        block_q=512, block_kv=1024, block_q_bwd=512, block_kv_bwd=block_kv, max_rows=4096
     )
     kw = dict(q_len=2048, kv_len=2048, group=2, head_dim=64, head_dim_v=64, itemsize=4)
     plan = tiling.plan(generation="v6e", block_sizes=bs, **kw)
     got = (plan.fuse_dq, plan.stream_dq, plan.own_delta, plan.dkdv.num_q_blocks)
-    assert got == (True, False, True, 4) and plan.dkdv.num_kv_blocks == 2
+    assert got == (True, False, True, 4) and plan.dkdv.num_kv_blocks == 2048 // block_kv
     assert tiling.grid_on_one_core()  # no TPU attached: the deferred waits
     _dense_case(
         seed=11,
