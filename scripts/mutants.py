@@ -1014,6 +1014,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "dK/dV: the INIT step's diagonal pipeline neither zeroes dK, dV nor stores K^T",
     ),
     Mutant(
+        "fa-resident-ignored",
+        FA_TILING,
+        "    if bs.bwd_resident and bs.fuse_dq and not bs.stream_dq:",
+        "    if False:",
+        (f"{T_FA}::test_v6e_d256_backward_takes_1024_positions_while_dq_stays_in_vmem",),
+        "plan: the table's resident dK/dV blocks never tried",
+    ),
+    Mutant(
+        "fa-resident-streams",
+        FA_TILING,
+        "(False,) if resident_only else (False, True)",
+        "(False, True) if resident_only else (False, True)",
+        (f"{T_FA}::test_v6e_d256_backward_takes_1024_positions_while_dq_stays_in_vmem",),
+        "plan: the resident dK/dV blocks taken with dQ streamed through HBM",
+    ),
+    Mutant(
         "fa-dq-inside-slot",
         FA_BWD,
         "        return [(qi, lax.rem(qi, 2), dst) for qi in blocks], ",

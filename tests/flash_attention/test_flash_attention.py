@@ -654,6 +654,43 @@ def test_plan_fuses_dq_in_vmem_while_the_kv_heads_dq_fits_else_streams_it():
             assert need(streamed) > budget, case
 
 
+def test_v6e_d256_backward_takes_1024_positions_while_dq_stays_in_vmem():
+    # bwd_resident: the table's (1024 positions, 4096 rows) dK/dV blocks
+    # where the kv head's dQ and delta stay in VMEM beside them, else the
+    # entry's 512 x 1024 with dQ in VMEM (16k at 32/8 heads) or streamed.
+    for group, t, pos, stream in (
+        (4, 2048, 1024, False),
+        (4, 8192, 1024, False),
+        (4, 16384, 512, False),
+        (4, 32768, 512, True),
+        (8, 4096, 512, False),
+        (8, 8192, 256, False),
+    ):
+        kw = dict(group=group, head_dim=256, head_dim_v=256, itemsize=2)
+        p = tiling.plan(generation="v6e", q_len=t, kv_len=t, **kw)
+        case = (group, t)
+        assert (p.fuse_dq, p.stream_dq, p.dkdv.block_pos, p.dkdv.block_kv) == (
+            True,
+            stream,
+            pos,
+            1024,
+        ), case
+        entry = tiling.BLOCK_TABLE[("v6e", tiling.regime(t), 256)]
+        own = dataclasses.replace(entry, bwd_resident=())
+        assert p.fwd == tiling.plan(generation="v6e", q_len=t, kv_len=t, block_sizes=own, **kw).fwd
+        if pos == 512 and group == 4:  # the resident blocks did not fit
+            big = tiling.geometry(1024, 1024, q_len=t, kv_len=t, group=group, max_rows=4096)
+            resident = dataclasses.replace(p, dkdv=big, dq=big, stream_dq=False, own_delta=False)
+            need = dict(resident.vmem_needs(group, 256, 256, 2))
+            assert need["dK/dV"] > tiling.VMEM_BUDGET_BYTES["v6e"], case
+    # explicit block sizes take it too; () keeps their own
+    bs = tiling.BlockSizes(1024, 1024, 512, 1024, bwd_resident=(1024, 4096))
+    kw = dict(q_len=4096, kv_len=4096, group=4, head_dim=256, head_dim_v=256, itemsize=2)
+    assert tiling.plan(generation="v6e", block_sizes=bs, **kw).dkdv.block_pos == 1024
+    bs = dataclasses.replace(bs, bwd_resident=())
+    assert tiling.plan(generation="v6e", block_sizes=bs, **kw).dkdv.block_pos == 512
+
+
 def test_short_head_dims_reach_the_kernels_with_their_minor_axes_swapped():
     # A TPU keeps an array whose minor dim is under 128 positions-minor; the
     # kernels take such q/k/v-side arrays as (..., D, positions), a bitcast of
@@ -1383,6 +1420,9 @@ def test_block_sizes_validation():
         tiling.BlockSizes(512, 512, 512, 512, max_rows_fwd=-1)
     with pytest.raises(ValueError, match="max_rows_fwd"):
         tiling.BlockSizes(512, 512, 512, 512, max_rows_fwd=2048.0)
+    for bad in ((1024,), (1024, 0), [1024, 4096], (1024.0, 4096)):
+        with pytest.raises(ValueError, match="bwd_resident"):
+            tiling.BlockSizes(512, 512, 512, 512, bwd_resident=bad)
     with pytest.raises(ValueError, match="generation"):
         tiling.check_generation("v4")
 

@@ -83,6 +83,15 @@ from .kernel_fwd import (
 # scheduler overlaps it with the matmuls; any other does the block at once.
 
 
+# A pair's pipeline of up to this many lane chunks runs unrolled, one basic
+# block (v6e d=256's 1024-position blocks: 8 chunks). As a loop of two
+# chunks a trip it paid ~535 bundles a trip above the trip's 5,120 MXU
+# cycles: v6e 4k d=256 dK/dV 924.6 us against 892.5 unrolled, at 1.5x the
+# code (60.4k static bundles against 40.5k). Up to 4 chunks the loop had
+# one trip, and the code is the same.
+UNROLLED_CHUNKS = 8
+
+
 def _dkdv_kernel(
     sched_ref,
     *refs,
@@ -139,6 +148,8 @@ def _dkdv_kernel(
     fold = prm.softcap is None
     per = br // lc if lc <= br else 0  # chunks a head; 0: several heads a chunk
     depth = (per if per % 2 == 0 else 2 * per) if per else 2  # chunks a loop step, even
+    if n_chunks <= UNROLLED_CHUNKS:  # no loop: the pipeline is one basic block
+        depth = n_chunks
     # (masked pairs: see diagonal_pair)
     ck = prm.sub[1] if prm.sub is not None else bkv
     step_d = math.gcd(br, bkv)

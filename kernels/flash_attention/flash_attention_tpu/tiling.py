@@ -119,6 +119,9 @@ class BlockSizes:
     fuse_dq: let the dK/dV kernel compute dQ too (Plan.fuse_dq), in VMEM
       when the kv head's dQ fits beside it, else streamed through HBM where
       that fits; False: always the separate dQ kernel.
+    bwd_resident: (block_q_bwd, max_rows) the dK/dV kernel takes first,
+      where the kv head's dQ (and delta) stays in VMEM beside them; () or
+      where it does not fit: block_q_bwd and max_rows. See plan().
     stream_dq: stream a fused dQ through HBM even where it would fit in VMEM
       (tests of the streamed path on small shapes).
     """
@@ -133,8 +136,18 @@ class BlockSizes:
     max_rows_fwd: int = 0
     fuse_dq: bool = True
     stream_dq: bool = False
+    bwd_resident: tuple = ()
 
     def __post_init__(self):
+        if self.bwd_resident != () and not (
+            isinstance(self.bwd_resident, tuple)
+            and len(self.bwd_resident) == 2
+            and all(isinstance(x, int) and x > 0 for x in self.bwd_resident)
+        ):
+            raise ValueError(
+                "bwd_resident: expected () or (block_q_bwd, max_rows), two positive ints, "
+                f"got {self.bwd_resident!r}"
+            )
         for name in ("fuse_dq", "stream_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -157,8 +170,17 @@ class BlockSizes:
                 )
 
 
-def _b(q, kv, qb, kvb, rows=2048, sub=256, slab=0, fwd_rows=0):
-    return BlockSizes(q, kv, qb, kvb, rows, sub, slab, fwd_rows)
+def _b(q, kv, qb, kvb, rows=2048, sub=256, slab=0, fwd_rows=0, resident=()):
+    return BlockSizes(q, kv, qb, kvb, rows, sub, slab, fwd_rows, bwd_resident=resident)
+
+
+# v6e at d > 192: 1024-position dK/dV blocks (4096 stacked rows at 32/8
+# heads) where the kv head's dQ stays in VMEM with them (to 8k at 32/8
+# heads: 72 of 96 MiB), half the steps of 512-position ones, each of which
+# pays ~400 bundles of scalar pipeline work and the DMA waits of its q-side
+# copies. dK/dV launches, T causal, 32/8 heads, d=256: 4k 931.9 -> 892.5
+# us, 8k 3,442.6 -> 3,312.8 (kernel_bwd.py: its full pairs unrolled).
+V6E_RESIDENT_256 = (1024, 4096)
 
 
 # (generation, regime, head-dim class) -> block sizes. Head-dim class is
@@ -172,10 +194,14 @@ BLOCK_TABLE = {
     ("v5e", "decode", 256): _b(64, 1024, 64, 512, 1024),
     ("v6e", "prefill", 128): _b(1024, 1024, 512, 512, slab=1024, fwd_rows=4096),
     ("v6e", "prefill", 192): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
-    ("v6e", "prefill", 256): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
+    ("v6e", "prefill", 256): _b(
+        1024, 1024, 512, 1024, slab=1024, fwd_rows=4096, resident=V6E_RESIDENT_256
+    ),
     ("v6e", "long", 128): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
     ("v6e", "long", 192): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
-    ("v6e", "long", 256): _b(1024, 1024, 512, 1024, slab=1024, fwd_rows=4096),
+    ("v6e", "long", 256): _b(
+        1024, 1024, 512, 1024, slab=1024, fwd_rows=4096, resident=V6E_RESIDENT_256
+    ),
     ("v6e", "decode", 128): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 192): _b(64, 4096, 64, 1024, 1024),
     ("v6e", "decode", 256): _b(64, 2048, 64, 512, 1024),
@@ -480,49 +506,30 @@ def plan(
     if block_sizes is None:
         block_sizes = _entry(generation, q_len, kv_len, head_dim_class(head_dim, head_dim_v))
     bs = block_sizes
+    shape = dict(group=group, head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize)
+    if bs.bwd_resident and bs.fuse_dq and not bs.stream_dq:
+        q_bwd, rows = bs.bwd_resident
+        resident = _plan_once(
+            dataclasses.replace(
+                bs,
+                block_q_bwd=q_bwd,
+                max_rows=rows,
+                max_rows_fwd=bs.max_rows_fwd or bs.max_rows,
+                bwd_resident=(),
+            ),
+            generation,
+            q_len,
+            kv_len,
+            segmented,
+            shape,
+            resident_only=True,
+        )
+        if resident is not None:
+            return resident
     while True:
-        fwd = geometry(
-            bs.block_q,
-            bs.block_kv,
-            q_len=q_len,
-            kv_len=kv_len,
-            group=group,
-            max_rows=bs.max_rows_fwd or bs.max_rows,
-        )
-        dkdv = geometry(
-            bs.block_q_bwd,
-            bs.block_kv_bwd,
-            q_len=q_len,
-            kv_len=kv_len,
-            group=group,
-            max_rows=bs.max_rows,
-        )
-        dq = geometry(
-            bs.block_q_bwd,
-            bs.block_kv_bwd,
-            q_len=q_len,
-            kv_len=kv_len,
-            group=group,
-            max_rows=bs.max_rows,
-        )
-        p = Plan(fwd, dkdv, dq, generation, bs.sub_block, bs.slab_rows, segmented=segmented)
-        budget = VMEM_BUDGET_BYTES[generation]
-        # dQ in the dK/dV kernel when the kv head's dQ fits beside it, and
-        # delta too when O's blocks and the head's delta rows also fit; else
-        # dQ streamed through HBM, before smaller blocks. A fused plan
-        # launches no dQ kernel, so the dQ kernel's own blocks need not fit:
-        # tpu7x's 1024-key dK/dV blocks fuse up to 8k, where a dQ kernel with
-        # them would not fit.
-        fused = tuple(
-            dataclasses.replace(p, fuse_dq=True, stream_dq=stream, own_delta=own)
-            for stream in ((True,) if bs.stream_dq else (False, True))
-            for own in (True, False)
-        )
-        if not bs.fuse_dq:
-            fused = ()
-        for candidate in (*fused, p):
-            needs = candidate.vmem_needs(group, head_dim, head_dim_v, itemsize)
-            over = [(k, n) for k, n in needs if n > budget]
+        candidates = _candidates(bs, generation, q_len, kv_len, segmented, shape["group"])
+        for candidate in candidates:
+            over = _over(candidate, generation, shape)
             if not over:
                 return candidate
         # `over` is the unfused plan's, which launches all three kernels
@@ -551,6 +558,51 @@ def plan(
             )
         else:
             check_vmem(*over[0], generation)
+
+
+def _candidates(bs, generation, q_len, kv_len, segmented, group, resident_only=False):
+    """Plans of block sizes `bs`, in the order taken where they fit: dQ in
+    the dK/dV kernel when the kv head's dQ fits beside it, and delta too
+    when O's blocks and the head's delta rows also fit; else dQ streamed
+    through HBM, before smaller blocks; last the unfused plan (the
+    planner's shrinking reads its needs). A fused plan launches no dQ
+    kernel, so the dQ kernel's own blocks need not fit: tpu7x's 1024-key
+    dK/dV blocks fuse up to 8k, where a dQ kernel with them would not fit.
+    resident_only: the plans with dQ in VMEM only."""
+
+    def geom(block_q, block_kv, rows):
+        return geometry(block_q, block_kv, q_len=q_len, kv_len=kv_len, group=group, max_rows=rows)
+
+    fwd = geom(bs.block_q, bs.block_kv, bs.max_rows_fwd or bs.max_rows)
+    bwd = geom(bs.block_q_bwd, bs.block_kv_bwd, bs.max_rows)
+    p = Plan(fwd, bwd, bwd, generation, bs.sub_block, bs.slab_rows, segmented=segmented)
+    streams = (True,) if bs.stream_dq else (False,) if resident_only else (False, True)
+    fused = tuple(
+        dataclasses.replace(p, fuse_dq=True, stream_dq=stream, own_delta=own)
+        for stream in streams
+        for own in (True, False)
+    )
+    if not bs.fuse_dq:
+        fused = ()
+    return fused if resident_only else (*fused, p)
+
+
+def _over(plan_, generation, shape):
+    """(kernel, bytes) of each kernel the plan launches that exceeds the budget."""
+    needs = plan_.vmem_needs(
+        shape["group"], shape["head_dim"], shape["head_dim_v"], shape["itemsize"]
+    )
+    return [(k, n) for k, n in needs if n > VMEM_BUDGET_BYTES[generation]]
+
+
+def _plan_once(bs, generation, q_len, kv_len, segmented, shape, resident_only=False):
+    """The first of _candidates' plans that fits the budget, or None."""
+    for candidate in _candidates(
+        bs, generation, q_len, kv_len, segmented, shape["group"], resident_only
+    ):
+        if not _over(candidate, generation, shape):
+            return candidate
+    return None
 
 
 def slab(geom: Geometry, slab_rows: int, heads_in_block: int) -> int | None:
