@@ -58,7 +58,9 @@ flops/peak) + 0.35 us per grid step, so fewer steps and no re-reads win):
   every length, since its VMEM estimate counts a chunk's temporaries, not
   the block's (dK/dV with dQ fused, T = 8k causal, 32/8 heads, against
   256 x 512: d=256 5,014 -> 3,790 us, d=192 4,876 -> 3,552; d=256 at 2k
-  441 -> 360, 4k 1,420 -> 1,102, 16k 18,738 -> 13,987). tpu7x's 48 MiB
+  441 -> 360, 4k 1,420 -> 1,102, 16k 18,738 -> 13,987). At d > 192 it
+  takes 1024-position blocks first, where the kv head's dQ stays in VMEM
+  with them (V6E_RESIDENT_256, below). tpu7x's 48 MiB
   holds a 512-position d=256 block beside neither the head's dQ nor a dQ
   kernel's blocks, so it took 256 x 512 until dQ could stream through HBM
   (Plan.stream_dq): dK/dV launch, 8k causal, 256 x 512 with dQ in VMEM
