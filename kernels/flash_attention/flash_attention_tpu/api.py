@@ -64,7 +64,7 @@ def _kernels_bwd(st, q5, k, v, sinks, aux, o5, lse, do5, dlse):
         lse,
         delta,
         aux,
-        aux["sched_dkdv_o" if own_delta else "sched_dkdv"],
+        aux["sched_dkdv"],
         st.interpret,
         st.batch_meta,
         st.fuse_dq,
@@ -300,7 +300,7 @@ def _dense_call(
     aux = {
         "sched_fwd": jnp.asarray(sched_fwd),
         "sched_dkdv": jnp.asarray(sched_dkdv),
-        "sched_dkdv_o": jnp.asarray(bsched.with_o_blocks(sched_dkdv)),
+        "o_blocks_dkdv": jnp.asarray(bsched.o_blocks(sched_dkdv)),
         "sched_dq": jnp.asarray(sched_dq),
     }
     if seq_major:
@@ -373,7 +373,7 @@ def _varlen_call(
     aux = {
         "sched_fwd": sched_fwd,
         "sched_dkdv": sched_dkdv,
-        "sched_dkdv_o": bsched.with_o_blocks(sched_dkdv, xp=jnp),
+        "o_blocks_dkdv": bsched.o_blocks(sched_dkdv, xp=jnp),
         "sched_dq": sched_dq,
         "qpos": _rows_meta(pos[None], grp, seq_major),
         "qseg": _rows_meta(seg[None], grp, seq_major),

@@ -117,9 +117,9 @@ def first_visits(kv, q, flags, lo, xp=np):
     return xp.where(((flags & COMPUTE) != 0) & (kv == lo[q]), FIRST, 0).astype(np.int32)
 
 
-def with_o_blocks(words, xp=np):
-    """A kv-major schedule followed by, per step, the q block whose O block
-    the dK/dV kernel holds (2 x steps words; the grid walks the first half).
+def o_blocks(words, xp=np):
+    """Per step of a kv-major schedule, the q block whose O block the dK/dV
+    kernel holds (its second scalar-prefetch array, read by O's index map).
 
     O is read only at a q block's FIRST step, where the kernel derives its
     delta; the other steps read q, dO and lse. Pallas copies an input's
@@ -142,8 +142,7 @@ def with_o_blocks(words, xp=np):
         nxt = lax.cummin(at, reverse=True)
     last = xp.max(xp.where(first, step, -1))
     o = q[xp.clip(xp.where(nxt < n, nxt, last), 0, n - 1)]
-    o = xp.where(last >= 0, o, 0)
-    return xp.concatenate([words, o.astype(np.int32)])
+    return xp.where(last >= 0, o, 0).astype(np.int32)
 
 
 def pack(outer, inner, flags, xp=np):
