@@ -712,7 +712,8 @@ def test_short_head_dims_reach_the_kernels_with_their_minor_axes_swapped():
         for eqn in pallas_eqns(jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv)):
             info = eqn.params.get("name_and_src_info")
             name = getattr(info, "name", None) or eqn.params.get("name")
-            out[name] = [tuple(v.aval.shape) for v in eqn.invars[1:5]]
+            n = eqn.params["grid_mapping"].num_index_operands  # scalar prefetch first
+            out[name] = [tuple(v.aval.shape) for v in eqn.invars[n : n + 4]]
         return out
 
     # q (B, Hkv, G, D, T), k and v (B, Hkv, D, Skv), then dO or O
