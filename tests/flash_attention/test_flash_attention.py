@@ -350,16 +350,23 @@ def test_fused_dq_copies_carried_across_kv_heads_land(one_core, monkeypatch):
     assert (plan.fuse_dq, plan.stream_dq, plan.dkdv.num_q_blocks) == (True, False, 5)
     assert tiling.grid_on_one_core()  # no TPU attached
     monkeypatch.setattr(tiling, "grid_on_one_core", lambda: one_core)
+    _causal_on_wait_two_batches_two_kv_heads(7, 600, bs)
+
+
+def _causal_on_wait_two_batches_two_kv_heads(seed, t, block_sizes):
+    """A causal case over 2 batches x 2 kv heads (2 query heads each), every
+    copy run at its wait with race detection: where copies carried from one
+    grid step to the next cross a head and a batch."""
     _dense_case(
-        seed=7,
+        seed=seed,
         b=2,
         hq=4,
         hkv=2,
-        sq=600,
-        skv=600,
+        sq=t,
+        skv=t,
         d=64,
         causal=True,
-        block_sizes=bs,
+        block_sizes=block_sizes,
         interpret=pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True),
     )
 
@@ -381,17 +388,7 @@ def test_fused_dq_written_inside_the_diagonal_pipelines_lands(block_kv):
     got = (plan.fuse_dq, plan.stream_dq, plan.own_delta, plan.dkdv.num_q_blocks)
     assert got == (True, False, True, 4) and plan.dkdv.num_kv_blocks == 2048 // block_kv
     assert tiling.grid_on_one_core()  # no TPU attached: the deferred waits
-    _dense_case(
-        seed=11,
-        b=2,
-        hq=4,
-        hkv=2,
-        sq=2048,
-        skv=2048,
-        causal=True,
-        block_sizes=bs,
-        interpret=pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True),
-    )
+    _causal_on_wait_two_batches_two_kv_heads(11, 2048, bs)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -180,8 +180,10 @@ def _b(q, kv, qb, kvb, rows=2048, sub=256, slab=0, fwd_rows=0, resident=()):
 # heads) where the kv head's dQ stays in VMEM with them (to 8k at 32/8
 # heads: 72 of 96 MiB), half the steps of 512-position ones, each of which
 # pays ~400 bundles of scalar pipeline work and the DMA waits of its q-side
-# copies. dK/dV launches, T causal, 32/8 heads, d=256: 4k 931.9 -> 892.5
-# us, 8k 3,442.6 -> 3,312.8 (kernel_bwd.py: its full pairs unrolled).
+# copies. dK/dV launches, T causal, 32/8 heads, d=256: 2k 274.9 -> 262.2
+# us, 4k 931.9 -> 892.5, 8k 3,442.6 -> 3,312.8 (kernel_bwd.py: its full
+# pairs unrolled); 64/8 heads 4k 2,029.9 -> 1,760.7, 8/8 heads 8k 1,317.4
+# -> 943.9.
 V6E_RESIDENT_256 = (1024, 4096)
 
 
@@ -502,6 +504,8 @@ def plan(
 
     Table entries shrink block_kv (then block_q) until they fit; explicit
     `block_sizes` that do not fit raise ValueError with the need and budget.
+    Blocks' `bwd_resident` dK/dV blocks are tried first, and taken only with
+    dQ in VMEM.
     """
     check_generation(generation)
     explicit = block_sizes is not None
