@@ -300,9 +300,10 @@ def _dense_call(
     aux = {
         "sched_fwd": jnp.asarray(sched_fwd),
         "sched_dkdv": jnp.asarray(sched_dkdv),
-        "o_blocks_dkdv": jnp.asarray(bsched.o_blocks(sched_dkdv)),
         "sched_dq": jnp.asarray(sched_dq),
     }
+    if plan.own_delta:  # O's blocks, where the dK/dV kernel derives delta
+        aux["o_blocks_dkdv"] = jnp.asarray(bsched.o_blocks(sched_dkdv))
     if seq_major:
         rows = jnp.arange(pb.q_len * grp, dtype=jnp.int32)
         aux["qpos"] = (rows // grp + q_offset)[None, None, :]
@@ -373,12 +374,13 @@ def _varlen_call(
     aux = {
         "sched_fwd": sched_fwd,
         "sched_dkdv": sched_dkdv,
-        "o_blocks_dkdv": bsched.o_blocks(sched_dkdv, xp=jnp),
         "sched_dq": sched_dq,
         "qpos": _rows_meta(pos[None], grp, seq_major),
         "qseg": _rows_meta(seg[None], grp, seq_major),
         "kseg": kseg[None, None, :].astype(jnp.int32),
     }
+    if plan.own_delta:
+        aux["o_blocks_dkdv"] = bsched.o_blocks(sched_dkdv, xp=jnp)
 
     def prm(geom, slab_rows=0):
         return _params(

@@ -5,7 +5,6 @@ recomputation). Layout, schedule and masks as in kernel_fwd.py.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -201,7 +200,7 @@ def _dkdv_kernel(
     step = pl.program_id(2)
     bh = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id in a loop
     heads = pl.num_programs(1)
-    last_head = (bh[0] == pl.num_programs(0) - 1) & (bh[1] == pl.num_programs(1) - 1)
+    last_head = (bh[0] == pl.num_programs(0) - 1) & (bh[1] == heads - 1)
     j, i, flags = _decode(sched_ref, step)
     first_pair = None  # own_delta: this step is its q block's first computed pair
     if own_delta:
@@ -974,12 +973,8 @@ def dkdv_call(
                 6,
                 pl.BlockSpec((None, None, gb, g.block_pos), lambda b, h, p, s, o: (b, h, 0, o[p])),
             )
-        follow_o = (5, 6) if has_dlse else (5,)
-        specs = [x if n in follow_o else _past_o_blocks(x) for n, x in enumerate(specs)]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [kv_spec(prm.head_dim), kv_spec(prm.head_dim_v)]
-    if own_delta:
-        out_specs = [_past_o_blocks(x) for x in out_specs]
     lc = prm.block_chunk_lanes
     scratch = [
         pltpu.VMEM((prm.head_dim, g.block_kv), jnp.float32),
@@ -1059,14 +1054,6 @@ def dkdv_call(
         dq = out[2][..., :t] if prm.swapped else out[2][:, :, :, :t]
         return out[0], out[1], dq
     return out
-
-
-def _past_o_blocks(spec):
-    """spec with an index map that also takes (and ignores) O's prefetch array."""
-    if spec.index_map is None:  # whole array in HBM
-        return spec
-    index_map = spec.index_map
-    return dataclasses.replace(spec, index_map=lambda b, h, p, s, o: index_map(b, h, p, s))
 
 
 def dq_call(prm, q5, k, v, do5, lse, delta, aux, sched, interpret, batch_meta):

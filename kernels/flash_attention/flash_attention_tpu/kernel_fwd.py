@@ -889,21 +889,23 @@ def _meta_specs(outer_is_q):
 
 
 def _common_specs(prm, outer_is_q, batch_meta):
-    """BlockSpecs of q-side and kv-side operands for a (b, h, p) grid."""
+    """BlockSpecs of q-side and kv-side operands for a (b, h, p) grid. Their
+    index maps read the schedule, the first scalar-prefetch array, and pass
+    over any after it (the dK/dV kernel's O blocks, schedule.o_blocks)."""
     g = prm.geom
     gb, br, bkv = prm.heads_in_block, g.block_pos, g.block_kv
     q_blk, kv_blk = _meta_specs(outer_is_q)
     minor = functools.partial(_minor_dims, prm)
     q_spec = lambda d: pl.BlockSpec(  # noqa: E731
-        (None, None, gb) + minor(br, d), lambda b, h, p, s: (b, h, 0) + minor(q_blk(s[p]), 0)
+        (None, None, gb) + minor(br, d), lambda b, h, p, s, *_: (b, h, 0) + minor(q_blk(s[p]), 0)
     )
     kv_spec = lambda d: pl.BlockSpec(  # noqa: E731
-        (None, None) + minor(bkv, d), lambda b, h, p, s: (b, h) + minor(kv_blk(s[p]), 0)
+        (None, None) + minor(bkv, d), lambda b, h, p, s, *_: (b, h) + minor(kv_blk(s[p]), 0)
     )
-    row_spec = pl.BlockSpec((None, None, gb, br), lambda b, h, p, s: (b, h, 0, q_blk(s[p])))
+    row_spec = pl.BlockSpec((None, None, gb, br), lambda b, h, p, s, *_: (b, h, 0, q_blk(s[p])))
     mb = (lambda b: b) if batch_meta else (lambda b: 0)
-    qmeta_spec = pl.BlockSpec((None, 1, br), lambda b, h, p, s: (mb(b), 0, q_blk(s[p])))
-    kmeta_spec = pl.BlockSpec((None, 1, bkv), lambda b, h, p, s: (mb(b), 0, kv_blk(s[p])))
+    qmeta_spec = pl.BlockSpec((None, 1, br), lambda b, h, p, s, *_: (mb(b), 0, q_blk(s[p])))
+    kmeta_spec = pl.BlockSpec((None, 1, bkv), lambda b, h, p, s, *_: (mb(b), 0, kv_blk(s[p])))
     return q_spec, kv_spec, row_spec, qmeta_spec, kmeta_spec
 
 
