@@ -79,13 +79,24 @@ def _slab(draw, n):
     return draw(st.sampled_from([n] + [128] * (n % 128 == 0 and n > 128)))
 
 
+def _merged(draw, bm, chunk, dtype):
+    """GmmConfig.merged_tails the blocks allow: none, tiling's choice, or one
+    tile (a tail merged into the last whole pass, kernel_gmm.row_passes)."""
+    sub = tiling.sublane(dtype)
+    options = [(), tiling.merged_tail_tiles(chunk, sub), (1,) if chunk > sub else ()]
+    return draw(st.sampled_from([t for t in options if not t or bm >= chunk + t[-1] * sub]))
+
+
 def _configs(draw, m, k, n, dtype):
     """Small explicit blocks, so that several row tiles and N slabs are walked."""
     bm, chunk = _blocks(draw, m, dtype)
     # 2 to 4 weight slots: the stream's ring wraps within a few experts.
     bufs = lambda: draw(st.integers(2, 4))  # noqa: E731
-    fwd = tiling.GmmConfig(bm, _slab(draw, n), chunk, weight_buffers=bufs())
-    bwd_lhs = tiling.GmmConfig(bm, _slab(draw, k), chunk, weight_buffers=bufs())
+    merged = _merged(draw, bm, chunk, dtype)
+    fwd = tiling.GmmConfig(bm, _slab(draw, n), chunk, weight_buffers=bufs(), merged_tails=merged)
+    bwd_lhs = tiling.GmmConfig(
+        bm, _slab(draw, k), chunk, weight_buffers=bufs(), merged_tails=merged
+    )
     bwd_rhs = tiling.TgmmConfig(bm, _slab(draw, k), _slab(draw, n), chunk)
     return tiling.RaggedDotConfig(fwd, bwd_lhs, bwd_rhs)
 
@@ -100,6 +111,13 @@ def _small_config(dtype, k, n, rows_per_tile_in_subs=1):
         tiling.GmmConfig(bm, slab(k), sub),
         tiling.TgmmConfig(bm, slab(k), slab(n), sub),
     )
+
+
+_MERGED = tiling.RaggedDotConfig(
+    tiling.GmmConfig(128, 128, 64, merged_tails=(1, 2)),
+    tiling.GmmConfig(128, 40, 64, merged_tails=(1, 2)),
+    tiling.TgmmConfig(128, 40, 128, 64),
+)
 
 
 @st.composite
@@ -135,6 +153,10 @@ def _check_fwd_bwd(out, d_lhs, d_rhs, lhs, rhs, ct, gs, group_offset=0):
 # zero and never fetched), and an N split into slabs.
 @example((jnp.bfloat16, 100, 40, 256, [30, 0, 7, 12], _small_config(jnp.bfloat16, 40, 256), 1))
 @example((jnp.float32, 64, 136, 256, [0, 20, 3], _small_config(jnp.float32, 136, 256, 2), 2))
+# Tails merged into a group's last whole pass (64-row chunks, 128-row tiles):
+# a three-tile tail as one more whole pass ([0, 112)), a one-tile tail merged
+# ([128, 208)), groups without a whole pass, and rows past the groups' sum.
+@example((jnp.bfloat16, 240, 40, 256, [112, 0, 16, 80, 11], _MERGED, 3))
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(problems())
 def test_ragged_dot_fwd_and_grads_match_references(problem):
@@ -446,57 +468,123 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
         assert launch.flops <= 2 * rows_bound * k * n
 
 
-@pytest.mark.parametrize("chunk_tiles", [1, 3, 8, 16])
-def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles):
+def test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled():
+    """Where the MXUs bind (tpu7x, Qwen3's down gmm at 8,192 tokens: 2,048-row
+    tiles, 512 rows an expert on average), the kernel takes each group's tail
+    into its last whole pass, or a whole pass more where the tail is wider
+    than the largest merged size (GmmConfig.merged_tails): the walked
+    launch's MXU flops are the ones pass_sizes gives with the merged sizes,
+    and it issues fewer passes than without."""
+    from bench import grid_walk
+
+    k, n = QWEN3["down"]
+    rng = np.random.default_rng(8192)
+    ids = np.stack([rng.choice(128, 8, replace=False) for _ in range(8192)])
+    sizes = np.bincount(ids.ravel(), minlength=128)
+    m = 8192 * 8
+    cfg = tiling.gmm_config(m, k, n, 128, jnp.bfloat16, generation="tpu7x")
+    assert cfg.merged_tails == (2, 8), cfg
+    [launch] = grid_walk.analyze(
+        functools.partial(gmm, config=cfg),
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+        jnp.asarray(sizes, jnp.int32),
+    )
+    s = gmm_dma_schedule(sizes, m, k, n, 128, cfg)
+    assert s["mxu_flops"] == launch.flops
+    ends = np.cumsum(sizes)
+    bm, chunk = cfg.block_m, cfg.chunk_m
+    passes = {(): 0, cfg.merged_tails: 0}
+    wide = 0  # group parts whose tail takes a whole pass more
+    for lo, hi in zip(ends - sizes, ends):
+        for t in range(lo // bm, -(-hi // bm)):
+            a, b = max(lo, t * bm) - t * bm, min(hi, t * bm + bm) - t * bm
+            for merged in passes:
+                passes[merged] += len(pass_sizes(a, b, sub=16, chunk=chunk, merged=merged))
+            n_sub = -(-b // 16) - a // 16
+            wide += n_sub >= 16 and n_sub % 16 > cfg.merged_tails[-1]
+    assert wide >= 10, wide
+    assert passes[cfg.merged_tails] < 0.8 * passes[()], passes
+
+
+@pytest.mark.parametrize(
+    "chunk_tiles, merged, bm",
+    [
+        (1, (), 64),
+        (3, (), 64),
+        (8, (), 64),
+        (16, (), 64),
+        (3, (1,), 64),
+        (4, (1, 3), 128),
+        (8, (1, 4), 128),
+    ],
+    ids=["1", "3", "8", "16", "3-merged", "4-merged", "8-merged"],
+)
+def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles, merged, bm):
     """row_passes' contract, which tgmm's accumulation relies on: over the
     passes it emits, each row of [r_lo, r_hi) is kept exactly once and no
     other row ever (its tail window reaches back over rows already done and
     rows before the group); the passes stay inside the tile, and their sizes
     are pass_sizes' (the performance model's MXU rows). Every [r_lo, r_hi)
-    of a 64-row tile, 8-row sublane tiles, in one interpret-mode launch."""
+    of the tile, 8-row sublane tiles, in one interpret-mode launch; with
+    merged tails, in a tile that holds a chunk and the largest of them."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    sub, bm = 8, 64
+    sub = 8
     chunk = min(chunk_tiles * sub, bm)
     cases = [(lo, hi) for lo in range(bm) for hi in range(lo, bm + 1)]
     los = jnp.asarray([c[0] for c in cases], jnp.int32)
     his = jnp.asarray([c[1] for c in cases], jnp.int32)
 
-    def kernel(lo_ref, hi_ref, kept_ref, rows_ref):
+    def kernel(lo_ref, hi_ref, kept_ref, rows_ref, out_ref):
         kept_ref[...] = jnp.zeros_like(kept_ref)
 
         def case(i, carry):
             r_lo, r_hi = lo_ref[i], hi_ref[i]
             rows_ref[i] = 0
+            out_ref[i] = 0
 
             def emit(r0, size, fresh):
                 ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
                 keep = jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)
                 kept_ref[i, pl.ds(r0, size), :] += keep.astype(jnp.int32)
                 rows_ref[i] += size
+                # Rows a pass would reach outside the tile (interpret mode clamps).
+                out_ref[i] += jnp.maximum(-r0, 0) + jnp.maximum(r0 + size - bm, 0)
 
-            row_passes(r_lo, r_hi, sub=sub, chunk=chunk, emit=emit)
+            row_passes(r_lo, r_hi, sub=sub, chunk=chunk, emit=emit, merged=merged)
             return carry
 
         lax.fori_loop(0, len(cases), case, 0)
 
-    kept, rows = pl.pallas_call(
+    kept, rows, outside = pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((len(cases), bm, 128), jnp.int32),
             jax.ShapeDtypeStruct((len(cases),), jnp.int32),
+            jax.ShapeDtypeStruct((len(cases),), jnp.int32),
         ),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] * 2,
-        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pltpu.SMEM)),
+        out_specs=(
+            pl.BlockSpec(memory_space=pltpu.VMEM),
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+        ),
         interpret=True,
     )(los, his)
-    kept, rows = np.asarray(kept)[:, :, 0], np.asarray(rows)
+    kept, rows, outside = np.asarray(kept)[:, :, 0], np.asarray(rows), np.asarray(outside)
     for i, (lo, hi) in enumerate(cases):
         want = np.zeros(bm, np.int32)
         want[lo:hi] = 1
         np.testing.assert_array_equal(kept[i], want, err_msg=f"rows [{lo}, {hi})")
-        assert rows[i] == sum(pass_sizes(lo, hi, sub=sub, chunk=chunk)), (lo, hi)
+        assert rows[i] == sum(pass_sizes(lo, hi, sub=sub, chunk=chunk, merged=merged)), (lo, hi)
+        assert outside[i] == 0, (lo, hi)
+    if merged:
+        # The merged sizes are taken: a group of a chunk and one tile is one pass.
+        assert pass_sizes(0, chunk + sub, sub=sub, chunk=chunk, merged=merged) == [
+            chunk + merged[0] * sub
+        ]
 
 
 # --- bad input -----------------------------------------------------------
@@ -548,6 +636,13 @@ def test_bad_config_raises_value_error():
         gmm(a["lhs"], a["rhs"], a["group_sizes"], config=tiling.GmmConfig(16, 24, 16))
     with pytest.raises(ValueError, match="config: expected"):
         ragged_dot(a["lhs"], a["rhs"], a["group_sizes"], config=42)
+    # Merged tails: under a chunk, ascending, and a tile that holds the largest.
+    for merged in ((4,), (2, 1), (1, 1), (3,)):
+        bad = tiling.GmmConfig(64, 32, 64, merged_tails=merged)
+        with pytest.raises(ValueError, match="config.merged_tails"):
+            gmm(a["lhs"], a["rhs"], a["group_sizes"], config=bad)
+    with pytest.raises(ValueError, match="merged_tails: expected a tuple"):
+        tiling.GmmConfig(64, 32, 64, merged_tails=[1])
 
 
 def test_group_sizes_value_checks():
@@ -580,6 +675,8 @@ def test_tpu7x_takes_wider_row_tiles_only_where_the_mxus_bind():
         ):
             cfg = tiling.gmm_config(tokens * 8, k, n, 128, jnp.bfloat16, generation=gen, glu=glu)
             assert cfg.block_m == want, (k, n, tokens, gen, cfg)
+            # The same rule merges tails into whole passes (32 and 128 rows).
+            assert cfg.merged_tails == ((2, 8) if want == 2048 else ()), (tokens, gen, cfg)
 
 
 def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
@@ -664,7 +761,13 @@ def glu_problems(draw):
     cfg = None
     if draw(st.booleans()):
         bm, chunk = _blocks(draw, m, dtype)
-        cfg = tiling.GmmConfig(bm, _slab(draw, i), chunk, weight_buffers=draw(st.integers(2, 4)))
+        cfg = tiling.GmmConfig(
+            bm,
+            _slab(draw, i),
+            chunk,
+            weight_buffers=draw(st.integers(2, 4)),
+            merged_tails=_merged(draw, bm, chunk, dtype),
+        )
     return dtype, transpose, m, k, i, sizes, act, cfg, draw(st.integers(0, 2**16))
 
 
@@ -679,6 +782,20 @@ def glu_problems(draw):
 # with a remainder of 1 (tiling.piece_unroll).
 @example((jnp.bfloat16, False, 24, 40, 1024, [9, 15], "silu", tiling.GmmConfig(16, 1024, 16), 3))
 @example((jnp.bfloat16, False, 24, 40, 1280, [24], "gelu", tiling.GmmConfig(16, 1280, 16), 4))
+# Merged tails on transposed weights (tpu7x's case, tiling.merged_tail_tiles).
+@example(
+    (
+        jnp.bfloat16,
+        True,
+        240,
+        40,
+        128,
+        [112, 0, 16, 80, 11],
+        "silu",
+        tiling.GmmConfig(128, 128, 64, merged_tails=(1, 2)),
+        5,
+    )
+)
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(glu_problems())
 def test_gmm_glu_epilogue_matches_reference(problem):

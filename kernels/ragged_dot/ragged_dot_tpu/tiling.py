@@ -43,7 +43,9 @@ v5p        64 MiB      48 MiB  4096            512             128
 ``chunk_m`` is the MXU pass height (the systolic array is 128 deep on v5e/v5p,
 256 on v6e/tpu7x). A group's rows are issued as ``chunk_m``-row passes while
 at least that many remain, then its tail as one pass (two past half a chunk)
-of a power of two sublane tiles (8 rows f32, 16 bf16; kernel_gmm.row_passes).
+of a power of two sublane tiles (8 rows f32, 16 bf16; kernel_gmm.row_passes),
+or, where the MXUs bind (``mxu_bound_block_m``), inside its last whole pass
+(``GmmConfig.merged_tails``, ``merged_tail_tiles``).
 
 tgmm (d_rhs) tiles (K, N) of the output with an f32 accumulator and walks the
 rows the same way; its blocks are searched with the same budget and model.
@@ -183,6 +185,10 @@ class GmmConfig:
     vmem_limit_bytes: scoped VMEM limit to request, or None for the default.
     weight_buffers: VMEM slots of the weight stream (>= 2); all but one hold
       DMAs in flight while the MXU works on the other.
+    merged_tails: tail sizes in sublane tiles, ascending, each under
+      chunk_m's, that a group's last whole pass takes in (kernel_gmm.row_passes);
+      () keeps every tail a pass of its own. block_m must hold chunk_m plus
+      the largest.
     """
 
     block_m: int
@@ -190,6 +196,13 @@ class GmmConfig:
     chunk_m: int
     vmem_limit_bytes: int | None = None
     weight_buffers: int = 3
+    merged_tails: tuple = ()
+
+    def __post_init__(self):
+        # A config is a jit static argument: it must hash, so a list is refused here.
+        m = self.merged_tails
+        if not (isinstance(m, tuple) and all(isinstance(t, int) for t in m)):
+            raise ValueError(f"merged_tails: expected a tuple of ints, got {m!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,15 +411,28 @@ def weight_buffers(k: int, bn: int, w_dtype, gen: Generation) -> int:
     return min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // slab)))
 
 
-def pass_rows(chunk: int, sub: int) -> int:
+def merged_tail_tiles(chunk: int, sub: int) -> tuple:
+    """GmmConfig.merged_tails where the MXUs bind: tails of up to an eighth
+    and up to half a chunk (32 and 128 rows of a 256-row chunk) go into the
+    group's last whole pass."""
+    per = chunk // sub
+    return tuple(sorted({max(per // 8, 1), per // 2})) if per >= 2 else ()
+
+
+def pass_rows(chunk: int, sub: int, merged=()) -> int:
     """Rows of every row-pass shape gmm emits (gmm.row_passes): `chunk`, then
     one site per tail size, sub << b rows below it (128 and 16: 128 + 64 +
-    32 + 16).
+    32 + 16), and the merged tails' (below).
     Mosaic gives each shape its own temporaries: counting only the chunk left
     Mixtral's down projection (K = 14336, 8192 tokens) on v5e needing 96.6 MiB
     against a 93.6 MiB estimate and the 96 MiB limit. (tgmm's estimate, which
     counts its operands' rows at f32, holds at Mixtral's largest blocks.)"""
-    return chunk + sum(sub << b for b in range(max(chunk // sub - 1, 0).bit_length()))
+    rows = chunk + sum(sub << b for b in range(max(chunk // sub - 1, 0).bit_length()))
+    # Merged passes (GmmConfig.merged_tails) do not add a shape's worth each:
+    # Qwen3's gate/up gmm on tpu7x (2,048-row tiles, three weight slots) needs
+    # between 41 and 42 MiB with and without its two, by compiling it at
+    # each limit. Their rows past the chunk are charged once.
+    return rows + (merged[-1] * sub if merged else 0)
 
 
 def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int) -> bool:
@@ -421,7 +447,19 @@ def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int) -> bool:
 
 
 def gmm_vmem_bytes(
-    m, k, n, bm, bn, chunk, in_dtype, w_dtype, out_dtype, buffers=3, glu=False, packed=False
+    m,
+    k,
+    n,
+    bm,
+    bn,
+    chunk,
+    in_dtype,
+    w_dtype,
+    out_dtype,
+    buffers=3,
+    glu=False,
+    packed=False,
+    merged=(),
 ) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
 
@@ -451,7 +489,7 @@ def gmm_vmem_bytes(
             need += buffers * 8 * _lane(max(k, bn)) * 4
     # Row passes: the lhs rows (cast), the f32 product(s), the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
-    rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype))
+    rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype), merged)
     # The lhs rows are an f32 temporary only where they are scaled or
     # quantized (quantized weights); else they are the rows as read, which
     # for Mixtral's down projection (K = 14,336) is what sets its blocks.
@@ -505,12 +543,16 @@ def gmm_config(
     top = gen.mxu_bound_block_m if m >= gen.chunk_m * max(g, 1) else 0
     for bm in _m_candidates(m, sub, gen, top):
         chunk = _chunk(bm, gen, sub)
+        # Where the MXUs bind, a group's tail rides in its last whole pass.
+        merged = merged_tail_tiles(chunk, sub) if top else ()
+        if merged and bm < chunk + merged[-1] * sub:
+            merged = ()
         for bn in _slab_candidates(n):
             # Fewer slots before smaller blocks: two still stream, one behind another.
             slab_n = 2 * bn if glu else bn
             for bufs in range(weight_buffers(k, slab_n, w_dtype, gen), 1, -1):
                 need = gmm_vmem_bytes(
-                    m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs, glu, packed
+                    m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs, glu, packed, merged
                 )
                 if need <= gen.vmem_budget:
                     break
@@ -523,7 +565,7 @@ def gmm_config(
                 m, k, n, g, bm, bn, dtype.itemsize, wb, out_dtype.itemsize, gen, bufs, 1 + glu
             )
             if best is None or t < best[0]:
-                best = (t, bm, bn, chunk, need, bufs)
+                best = (t, bm, bn, chunk, need, bufs, merged)
     if best is None:
         need, bm, bn = smallest_need
         raise ValueError(
@@ -532,8 +574,8 @@ def gmm_config(
             f" block_n={bn}, full K={k}) need {need / MiB:.1f} MiB, budget is"
             f" {gen.vmem_budget / MiB:.1f} MiB"
         )
-    _, bm, bn, chunk, need, bufs = best
-    return GmmConfig(bm, bn, chunk, _limit(need, gen), bufs)
+    _, bm, bn, chunk, need, bufs, merged = best
+    return GmmConfig(bm, bn, chunk, _limit(need, gen), bufs, merged)
 
 
 def tgmm_vmem_bytes(m, k, n, bm, bk, bn, chunk, in_dtype, out_dtype) -> int:
@@ -625,6 +667,18 @@ def check_gmm_config(cfg: GmmConfig, n: int, sub: int) -> None:
         )
     if cfg.weight_buffers < 2:
         raise ValueError(f"config.weight_buffers: expected 2 or more, got {cfg.weight_buffers}")
+    merged, per = cfg.merged_tails, cfg.chunk_m // sub
+    if merged != () and not (
+        isinstance(merged, tuple)
+        and all(isinstance(t, int) and 0 < t < per for t in merged)
+        and list(merged) == sorted(set(merged))
+        and cfg.block_m >= cfg.chunk_m + merged[-1] * sub
+    ):
+        raise ValueError(
+            "config.merged_tails: expected () or ascending sublane-tile counts under"
+            f" chunk_m / {sub} = {per}, with block_m >= chunk_m + the largest x {sub};"
+            f" got {merged!r} (block_m={cfg.block_m}, chunk_m={cfg.chunk_m})"
+        )
 
 
 def check_tgmm_config(cfg: TgmmConfig, k: int, n: int, sub: int) -> None:
