@@ -654,6 +654,15 @@ MUTANTS: tuple[Mutant, ...] = (
         " (tpu7x prefill 11% faster than what experts_forward gets)",
     ),
     Mutant(
+        "llo-int8-smem-row-major",
+        "bench/llo.py",
+        "    if a.ndim >= 2 and a.dtype.itemsize == 1:",
+        "    if False:",
+        ("tests/bench/test_llo.py::test_int8_smem_words_follow_the_compiled_addressing",),
+        "bench: an int8 scalar-prefetch array seeded into SMEM row-major (JAX's splash"
+        " read most of its causal block mask as empty)",
+    ),
+    Mutant(
         "llo-forward-branch-runs-skipped-block",
         "bench/llo.py",
         "            if forward and any(",

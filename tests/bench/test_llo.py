@@ -285,6 +285,68 @@ def test_gmm_schedule_moves_what_the_walk_counts(generation):
     assert s.cycles >= s.bundles
 
 
+def test_int8_smem_words_follow_the_compiled_addressing():
+    """_memory_words on an int8 [2, 8, 8] array against the address a kernel
+    compiled for v6e / tpu7x computes for element [h, i, j] (read off its
+    bundles: word ((i >> 3) + (j >> 7)) * 256 + ((i & 7) >> 2) * 128 + (j & 127)
+    of slab h, byte i & 3)."""
+    a = np.arange(2 * 8 * 8, dtype=np.int8).reshape(2, 8, 8)
+    words = llo._memory_words(a, 2 * 1024)
+    assert words is not None and len(words) == 2 * 256
+    for h in range(2):
+        for i in range(8):
+            for j in range(8):
+                w = h * 256 + ((i >> 3) + (j >> 7)) * 256 + ((i & 7) >> 2) * 128 + (j & 127)
+                assert (int(words[w]) >> (8 * (i & 3))) & 0xFF == a[h, i, j], (h, i, j)
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+def test_int8_scalar_prefetch_is_read_as_the_kernel_lays_it_out(generation):
+    """An int8 [8, 8] block mask in SMEM (what JAX's splash attention
+    prefetches): a kernel that copies a block only where mask[i, j] != 0
+    starts exactly as many copies in its executed schedule as the mask has
+    nonzeros. Until 2026-12-06 the executor packed four elements of a row to
+    a word where the kernel reads four rows of a column, and splash read most
+    of its causal mask as empty (its scheduled times were about half)."""
+    _require_dumps()
+    rng = np.random.default_rng(7)
+    mask = (rng.random((8, 8)) < 0.4).astype(np.int8) * rng.integers(1, 3, (8, 8)).astype(np.int8)
+    assert 0 < np.count_nonzero(mask) < 64
+
+    def kernel(mask_ref, o_hbm, buf, sem):
+        i, j = pl.program_id(0), pl.program_id(1)
+
+        # (Mosaic compares no int8 scalars: widened first.)
+        @pl.when(mask_ref[i, j].astype(jnp.int32) != 0)
+        def _():
+            buf[...] = jnp.full(buf.shape, 1.0, jnp.float32)
+            copy = pltpu.make_async_copy(buf, o_hbm.at[pl.ds(i * 8, 8)], sem.at[0])
+            copy.start()
+            copy.wait()
+
+    def f():
+        # The output in HBM (an input this small XLA may place in VMEM, where
+        # its copies are no DMAs): one 4 KiB copy per nonzero of the mask.
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(8, 8),
+                in_specs=[],
+                out_specs=pl.BlockSpec(memory_space=pl.ANY),
+                scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((1,))],
+            ),
+            out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32),
+        )(jnp.asarray(mask))
+
+    with tracing.pretend_tpu(generation):
+        [launch] = tracing.trace_launches(f)
+    s = schedule.schedule_launch(launch, generation)
+    assert s.unknown_branches == 0, s.notes
+    # The mask's own copy into SMEM is one (8, 128) int8 tile, 1 KiB.
+    assert divmod(s.dma_bytes, 4096) == (np.count_nonzero(mask), 1024), (s.dmas, s.notes)
+
+
 def test_tpu7x_combine_waits_only_for_copies_it_started():
     """The combine on tpu7x: a `pl.when` block per row slot, each starting
     with its slot's semaphore wait, inside a pipelined grid loop whose
