@@ -414,28 +414,27 @@ class Result:
     stopped: bool = False  # cut off at max_bundles: every figure is a lower bound
 
 
-def _int8_tiles(a) -> np.ndarray:
-    """The bytes of an int8 [..., R, C] array in the TPU's tiled layout, as a
-    kernel compiled for v6e and tpu7x addresses it in SMEM (read off the
-    bundles of JAX's splash attention, whose block mask is int8 [1, 8, 8]):
-    (8, 128) tiles, each two rows of 128 words, a word holding four
-    consecutive rows of one column, the lowest byte the first."""
+def _int8_tiles(a):
+    """The bytes of an int8 [..., R, C] array (C <= 128) in the TPU's layout,
+    as kernels compiled for v6e and tpu7x address it in SMEM (read off the
+    bundles of JAX's splash attention, whose block masks are int8 [1, 4, 4]
+    at 2k and [1, 8, 8] at 4k): rows padded to a multiple of four, each four
+    rows one row of 128 words, a word holding those rows of one column, the
+    lowest byte the first. None for wider arrays (not seen)."""
     *lead, r, c = a.shape
-    rp, cp = -(-r // 8) * 8, -(-c // 128) * 128
-    x = np.zeros((*lead, rp, cp), np.uint8)
+    if c > 128:
+        return None
+    rp = -(-r // 4) * 4
+    x = np.zeros((*lead, rp, 128), np.uint8)
     x[..., :r, :c] = a.view(np.uint8)
-    n = len(lead)
-    x = x.reshape(*lead, rp // 8, 2, 4, cp // 128, 128)
-    # [.., row tile, word row, byte, column tile, lane] -> [.., row tile,
-    # column tile, word row, lane, byte]
-    order = [*range(n), n, n + 3, n + 1, n + 4, n + 2]
-    return np.ascontiguousarray(x.transpose(order)).reshape(-1)
+    x = x.reshape(*lead, rp // 4, 4, 128)
+    return np.ascontiguousarray(np.swapaxes(x, -1, -2)).reshape(-1)
 
 
 def _memory_words(a, nbytes: int):
     """The 32-bit words of array `a` as a `nbytes` copy moves them: row-major
     and packed when that is the size, else (int8, two or more dims) in the
-    TPU's (8, 128) tiles (_int8_tiles), else with the minor dimension padded
+    TPU's layout (_int8_tiles), else with the minor dimension padded
     to 128 elements (the lane tiling); None when none fits. Until 2026-12-06
     an int8 array took the padded row-major layout, four elements of a row to
     a word where the kernel reads four rows of a column: JAX's splash
@@ -443,7 +442,7 @@ def _memory_words(a, nbytes: int):
     their blocks (v6e, 4k, d=64 forward: 322.0 us scheduled)."""
     a = np.ascontiguousarray(a if isinstance(a, np.ndarray) else np.asarray(a, np.int32))
     layouts = [a.reshape(-1)]
-    if a.ndim >= 2 and a.dtype.itemsize == 1:
+    if a.ndim >= 2 and a.dtype.itemsize == 1 and _int8_tiles(a) is not None:
         layouts.append(_int8_tiles(a))
     if a.ndim >= 1:
         pad = -a.shape[-1] % 128

@@ -656,7 +656,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "llo-int8-smem-row-major",
         "bench/llo.py",
-        "    if a.ndim >= 2 and a.dtype.itemsize == 1:",
+        "    if a.ndim >= 2 and a.dtype.itemsize == 1 and _int8_tiles(a) is not None:",
         "    if False:",
         ("tests/bench/test_llo.py::test_int8_smem_words_follow_the_compiled_addressing",),
         "bench: an int8 scalar-prefetch array seeded into SMEM row-major (JAX's splash"

@@ -285,24 +285,28 @@ def test_gmm_schedule_moves_what_the_walk_counts(generation):
     assert s.cycles >= s.bundles
 
 
-def test_int8_smem_words_follow_the_compiled_addressing():
-    """_memory_words on an int8 [2, 8, 8] array against the address a kernel
-    compiled for v6e / tpu7x computes for element [h, i, j] (read off its
-    bundles: word ((i >> 3) + (j >> 7)) * 256 + ((i & 7) >> 2) * 128 + (j & 127)
-    of slab h, byte i & 3)."""
-    a = np.arange(2 * 8 * 8, dtype=np.int8).reshape(2, 8, 8)
-    words = llo._memory_words(a, 2 * 1024)
-    assert words is not None and len(words) == 2 * 256
+@pytest.mark.parametrize("rows", [4, 8, 6])
+def test_int8_smem_words_follow_the_compiled_addressing(rows):
+    """_memory_words on an int8 [2, rows, 8] array against the address a
+    kernel compiled for v6e / tpu7x computes for element [h, i, j] (read off
+    splash attention's bundles at [1, 4, 4] and [1, 8, 8]: word
+    (i >> 2) * 128 + j of its slab, byte i & 3; a slab is its rows padded to
+    four, a row of 128 words each four)."""
+    a = np.arange(2 * rows * 8, dtype=np.int8).reshape(2, rows, 8)
+    slab = -(-rows // 4) * 128
+    words = llo._memory_words(a, 2 * slab * 4)
+    assert words is not None and len(words) == 2 * slab
     for h in range(2):
-        for i in range(8):
+        for i in range(rows):
             for j in range(8):
-                w = h * 256 + ((i >> 3) + (j >> 7)) * 256 + ((i & 7) >> 2) * 128 + (j & 127)
+                w = h * slab + (i >> 2) * 128 + j
                 assert (int(words[w]) >> (8 * (i & 3))) & 0xFF == a[h, i, j], (h, i, j)
 
 
+@pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
-def test_int8_scalar_prefetch_is_read_as_the_kernel_lays_it_out(generation):
-    """An int8 [8, 8] block mask in SMEM (what JAX's splash attention
+def test_int8_scalar_prefetch_is_read_as_the_kernel_lays_it_out(generation, n):
+    """An int8 [n, n] block mask in SMEM (what JAX's splash attention
     prefetches): a kernel that copies a block only where mask[i, j] != 0
     starts exactly as many copies in its executed schedule as the mask has
     nonzeros. Until 2026-12-06 the executor packed four elements of a row to
@@ -310,8 +314,8 @@ def test_int8_scalar_prefetch_is_read_as_the_kernel_lays_it_out(generation):
     of its causal mask as empty (its scheduled times were about half)."""
     _require_dumps()
     rng = np.random.default_rng(7)
-    mask = (rng.random((8, 8)) < 0.4).astype(np.int8) * rng.integers(1, 3, (8, 8)).astype(np.int8)
-    assert 0 < np.count_nonzero(mask) < 64
+    mask = (rng.random((n, n)) < 0.4).astype(np.int8) * rng.integers(1, 3, (n, n)).astype(np.int8)
+    assert 0 < np.count_nonzero(mask) < n * n
 
     def kernel(mask_ref, o_hbm, buf, sem):
         i, j = pl.program_id(0), pl.program_id(1)
@@ -331,20 +335,20 @@ def test_int8_scalar_prefetch_is_read_as_the_kernel_lays_it_out(generation):
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1,
-                grid=(8, 8),
+                grid=(n, n),
                 in_specs=[],
                 out_specs=pl.BlockSpec(memory_space=pl.ANY),
                 scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((1,))],
             ),
-            out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct((8 * n, 128), jnp.float32),
         )(jnp.asarray(mask))
 
     with tracing.pretend_tpu(generation):
         [launch] = tracing.trace_launches(f)
     s = schedule.schedule_launch(launch, generation)
     assert s.unknown_branches == 0, s.notes
-    # The mask's own copy into SMEM is one (8, 128) int8 tile, 1 KiB.
-    assert divmod(s.dma_bytes, 4096) == (np.count_nonzero(mask), 1024), (s.dmas, s.notes)
+    # The mask's own copy into SMEM: a row of 128 words each four rows.
+    assert divmod(s.dma_bytes, 4096) == (np.count_nonzero(mask), n * 128), (s.dmas, s.notes)
 
 
 def test_tpu7x_combine_waits_only_for_copies_it_started():
