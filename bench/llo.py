@@ -432,9 +432,9 @@ def _int8_tiles(a):
 
 
 def _memory_words(a, nbytes: int):
-    """The 32-bit words of array `a` as a `nbytes` copy moves them: row-major
-    and packed when that is the size, else (int8, two or more dims) in the
-    TPU's layout (_int8_tiles), else with the minor dimension padded
+    """The 32-bit words of array `a` as a `nbytes` copy moves them: an int8
+    array of two or more dims in the TPU's layout (_int8_tiles) when that is
+    the size, else row-major and packed, else with the minor dimension padded
     to 128 elements (the lane tiling); None when none fits. Until 2026-12-06
     an int8 array took the padded row-major layout, four elements of a row to
     a word where the kernel reads four rows of a column: JAX's splash
@@ -443,7 +443,8 @@ def _memory_words(a, nbytes: int):
     a = np.ascontiguousarray(a if isinstance(a, np.ndarray) else np.asarray(a, np.int32))
     layouts = [a.reshape(-1)]
     if a.ndim >= 2 and a.dtype.itemsize == 1 and _int8_tiles(a) is not None:
-        layouts.append(_int8_tiles(a))
+        # First: an int8 [.., 4k, 128] array has the same size either way.
+        layouts.insert(0, _int8_tiles(a))
     if a.ndim >= 1:
         pad = -a.shape[-1] % 128
         layouts.append(np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]).reshape(-1))

@@ -285,22 +285,27 @@ def test_gmm_schedule_moves_what_the_walk_counts(generation):
     assert s.cycles >= s.bundles
 
 
-@pytest.mark.parametrize("rows", [4, 8, 6])
-def test_int8_smem_words_follow_the_compiled_addressing(rows):
+@pytest.mark.parametrize("rows, cols", [(4, 8), (8, 8), (6, 8), (4, 128)])
+def test_int8_smem_words_follow_the_compiled_addressing(rows, cols):
     """_memory_words on an int8 [2, rows, 8] array against the address a
     kernel compiled for v6e / tpu7x computes for element [h, i, j] (read off
     splash attention's bundles at [1, 4, 4] and [1, 8, 8]: word
     (i >> 2) * 128 + j of its slab, byte i & 3; a slab is its rows padded to
-    four, a row of 128 words each four)."""
-    a = np.arange(2 * rows * 8, dtype=np.int8).reshape(2, rows, 8)
+    four, a row of 128 words each four). At [2, 4, 128] the row-major bytes
+    are as many: the tiled layout still wins."""
+    a = (np.arange(2 * rows * cols) % 251).astype(np.int8).reshape(2, rows, cols)
     slab = -(-rows // 4) * 128
     words = llo._memory_words(a, 2 * slab * 4)
     assert words is not None and len(words) == 2 * slab
     for h in range(2):
         for i in range(rows):
-            for j in range(8):
+            for j in range(cols):
                 w = h * slab + (i >> 2) * 128 + j
-                assert (int(words[w]) >> (8 * (i & 3))) & 0xFF == a[h, i, j], (h, i, j)
+                assert (int(words[w]) >> (8 * (i & 3))) & 0xFF == a.view(np.uint8)[h, i, j], (
+                    h,
+                    i,
+                    j,
+                )
 
 
 @pytest.mark.parametrize("n", [4, 8])
