@@ -442,9 +442,10 @@ def _memory_words(a, nbytes: int):
     their blocks (v6e, 4k, d=64 forward: 322.0 us scheduled)."""
     a = np.ascontiguousarray(a if isinstance(a, np.ndarray) else np.asarray(a, np.int32))
     layouts = [a.reshape(-1)]
-    if a.ndim >= 2 and a.dtype.itemsize == 1 and _int8_tiles(a) is not None:
+    tiled = _int8_tiles(a) if a.ndim >= 2 and a.dtype.itemsize == 1 else None
+    if tiled is not None:
         # First: an int8 [.., 4k, 128] array has the same size either way.
-        layouts.insert(0, _int8_tiles(a))
+        layouts.insert(0, tiled)
     if a.ndim >= 1:
         pad = -a.shape[-1] % 128
         layouts.append(np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]).reshape(-1))

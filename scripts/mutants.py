@@ -250,8 +250,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-merged-not-passed",
         GMM,
-        "merged_tails=cfg.merged_tails if chunk == cfg.chunk_m else (),",
-        "merged_tails=(),",
+        "        merged_tails=cfg.merged_tails,\n",
+        "        merged_tails=(),\n",
         (f"{T_GMM}::test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled",),
         "gmm: the config's merged tails never reach the kernel",
     ),
@@ -656,8 +656,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "llo-int8-smem-row-major",
         "bench/llo.py",
-        "    if a.ndim >= 2 and a.dtype.itemsize == 1 and _int8_tiles(a) is not None:",
-        "    if False:",
+        "    tiled = _int8_tiles(a) if a.ndim >= 2 and a.dtype.itemsize == 1 else None",
+        "    tiled = None",
         ("tests/bench/test_llo.py::test_int8_smem_words_follow_the_compiled_addressing",),
         "bench: an int8 scalar-prefetch array seeded into SMEM row-major (JAX's splash"
         " read most of its causal block mask as empty)",

@@ -191,13 +191,14 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=()):
     n_big = lax.div(n_sub, per_chunk)
     n_small = n_sub - n_big * per_chunk
 
-    def big(i, c):
-        r0 = pl.multiple_of(a_lo + i * chunk, sub)
-        emit(r0, chunk, r0)
+    def whole(i, c):
+        # A pass past the whole ones (a wide merged tail) ends at the group's last tile.
+        r0 = a_lo + i * chunk
+        emit(pl.multiple_of(jnp.minimum(r0, a_hi - chunk), sub), chunk, r0)
         return c
 
     if per_chunk == 1:
-        lax.fori_loop(0, n_big, big, 0)
+        lax.fori_loop(0, n_big, whole, 0)
         return
     r0 = a_lo + n_big * chunk
     alone = None
@@ -205,16 +206,6 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=()):
         has_big = n_big > 0
         wide = jnp.logical_and(has_big, n_small > merged[-1])
         merge = jnp.logical_and(jnp.logical_and(has_big, n_small > 0), jnp.logical_not(wide))
-
-        def whole(i, c):
-            # The pass past the whole ones (a wide tail) ends at the group's last tile.
-            emit(
-                pl.multiple_of(jnp.minimum(a_lo + i * chunk, a_hi - chunk), sub),
-                chunk,
-                a_lo + i * chunk,
-            )
-            return c
-
         lax.fori_loop(0, n_big - merge.astype(jnp.int32) + wide.astype(jnp.int32), whole, 0)
         last_r0 = a_lo + jnp.maximum(n_big - 1, 0) * chunk
         below = 0
@@ -228,7 +219,7 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=()):
             below = tiles
         alone = jnp.logical_not(has_big)
     else:
-        lax.fori_loop(0, n_big, big, 0)
+        lax.fori_loop(0, n_big, whole, 0)
     widest = 1 << ((per_chunk - 1).bit_length() - 1)  # tail sizes: 1, 2, 4, ..., widest tiles
     lead = n_small > widest
     if alone is not None:  # the tails of groups without a whole pass
@@ -965,7 +956,7 @@ def gmm(
         quantize_lhs=quantize_lhs,
         glu=glu,
         packed=packed,
-        merged_tails=cfg.merged_tails if chunk == cfg.chunk_m else (),
+        merged_tails=cfg.merged_tails,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(
@@ -1080,8 +1071,9 @@ def gmm_dma_schedule(
             if a >= b:
                 continue
             chunk = min(cfg.chunk_m, bm)
-            merged = cfg.merged_tails if chunk == cfg.chunk_m else ()
-            mxu_rows += sum(pass_sizes(a - t * bm, b - t * bm, sub=sub, chunk=chunk, merged=merged))
+            mxu_rows += sum(
+                pass_sizes(a - t * bm, b - t * bm, sub=sub, chunk=chunk, merged=cfg.merged_tails)
+            )
     w_slab = k * bn * rhs_bytes
     return {
         "grid_steps": n_blocks * tiles,

@@ -668,9 +668,9 @@ def check_gmm_config(cfg: GmmConfig, n: int, sub: int) -> None:
     if cfg.weight_buffers < 2:
         raise ValueError(f"config.weight_buffers: expected 2 or more, got {cfg.weight_buffers}")
     merged, per = cfg.merged_tails, cfg.chunk_m // sub
+    # (A tuple of ints: GmmConfig checks that on construction.)
     if merged != () and not (
-        isinstance(merged, tuple)
-        and all(isinstance(t, int) and 0 < t < per for t in merged)
+        all(0 < t < per for t in merged)
         and list(merged) == sorted(set(merged))
         and cfg.block_m >= cfg.chunk_m + merged[-1] * sub
     ):
