@@ -690,13 +690,78 @@ def _xla_attention(point, generation, ctx) -> Built:
 
 
 def _jax_splash(point, generation, ctx) -> Built:
+    return _jax_splash_block(point, _import("bench.baselines.splash").BLOCK)
+
+
+SPLASH_BLOCKS = (2048, 1024, 512)
+
+
+def _splash_block_time(point, generation, ctx, block):
+    """(seconds, how) of splash with `block`-position blocks at this point, or
+    None where one of its kernels does not compile for the generation:
+    scheduled where every launch has a schedule, else the ideal model."""
+    from . import model as model_mod
+
+    fn = _jax_splash_block(point, block).fn
+    b = min(block, point.seq)
+    # The sweep's own walk key for the winner (see sweep.evaluate), so its
+    # walk, compiles and schedules are the ones measured here.
+    key = (("jax_splash_attention", b, point.window, point.walk_key[-1]), point.walk_key)
+    launches, costs = ctx.walk(key, point.program(fn), point.walker_args())
+    ideal = sum(model_mod.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation) for c in costs)
+    if not ctx.do_compile:
+        return ideal, "ideal model"
+    scheduled = 0.0
+    for launch in launches:
+        comp, sch, _ = ctx.gate_and_schedule(launch, generation)
+        if not comp.ok:
+            return None
+        if sch is None:
+            scheduled = None
+        elif scheduled is not None:
+            scheduled += sch.seconds
+    return (scheduled, "scheduled") if scheduled is not None else (ideal, "ideal model")
+
+
+def _jax_splash_best(point, generation, ctx) -> Built:
+    """JAX's splash at the block size that runs fastest at this point and
+    generation, of 2048, 1024 and 512 positions (capped at the sequence): the
+    sweep's jax_splash_attention keeps MaxText's 512, where each of its many
+    grid steps pays a DMA wait and its pipeline work; a user tuning splash
+    would pick the block. Larger blocks first; the search stops at the first
+    size slower than the one before it (the time falls and then rises as the
+    block shrinks: fewer steps against more masked work on the diagonal)."""
+    if ctx is None:
+        raise Skip("needs the sweep's compile and walk caches to pick a block size")
+    tried = []
+    best = None
+    for block in dict.fromkeys(min(b, point.seq) for b in SPLASH_BLOCKS):
+        res = _splash_block_time(point, generation, ctx, block)
+        if res is None:
+            tried.append(f"{block}: does not compile")
+            continue
+        t, how = res
+        tried.append(f"{block}: {t * 1e6:,.1f} us {how}")
+        if best is not None and t > best[0]:
+            break
+        if best is None or t < best[0]:
+            best = (t, block)
+    if best is None:
+        raise Skip(f"no splash block size compiles on {generation}: {'; '.join(tried)}")
+    built = _jax_splash_block(point, best[1])
+    return dataclasses.replace(
+        built, notes=built.notes + (f"block sizes tried: {'; '.join(tried)}",)
+    )
+
+
+def _jax_splash_block(point, block) -> Built:
     sp = _import("bench.baselines.splash")
     _import("jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel")
+    b = min(block, point.seq)
 
     def fn(q, k, v):
-        return sp.jax_splash(q, k, v, window=point.window)
+        return sp.jax_splash(q, k, v, block=b, window=point.window)
 
-    b = min(sp.BLOCK, point.seq)
     mask = f"LocalMask window ({point.window - 1}, 0)" if point.window else "CausalMask"
     return Built(
         fn,
@@ -748,6 +813,14 @@ register(
         "attention",
         "JAX's splash attention (make_splash_mha, causal mask, native GQA, blocks 512)",
         _jax_splash,
+    )
+)
+register(
+    Impl(
+        "jax_splash_best",
+        "attention",
+        "JAX's splash attention at its fastest block size here (2048, 1024 or 512)",
+        _jax_splash_best,
     )
 )
 register(

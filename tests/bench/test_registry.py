@@ -185,6 +185,76 @@ def test_attention_baseline_matches_reference(impl, kv_heads, monkeypatch):
     _close(out, attention_reference(*point.real_args()))
 
 
+def test_splash_at_a_block_under_the_sequence_matches_reference(monkeypatch):
+    """The block size the best-block baseline picks reaches the kernel: 128
+    positions over 256 (diagonal, full and skipped blocks; q and kv blocks
+    of 512 would cover the whole sequence at once)."""
+    from bench.baselines import splash
+
+    monkeypatch.setattr(splash, "INTERPRET", True)
+    point = points.AttentionPoint(seq=256, batch=1, q_heads=4, kv_heads=2, head_dim=128)
+    built = registry._jax_splash_block(point, 128)
+    assert built.key == ("jax_splash_attention", 128, 0)
+    out = jax.jit(built.fn)(*point.real_args())
+    _close(out, attention_reference(*point.real_args()))
+
+
+def _pick_splash_block(monkeypatch, times, seq=8192):
+    """jax_splash_best's choice when block b takes times[b] seconds (None:
+    does not compile), and the blocks it asked about, in order."""
+    asked = []
+
+    def timed(point, generation, ctx, block):
+        asked.append(block)
+        t = times[block]
+        return None if t is None else (t, "scheduled")
+
+    monkeypatch.setattr(registry, "_splash_block_time", timed)
+    point = points.AttentionPoint(seq=seq)
+    return registry.REGISTRY["jax_splash_best"].build(point, "tpu7x", object()), asked
+
+
+def test_splash_best_takes_the_fastest_block_size(monkeypatch):
+    built, asked = _pick_splash_block(monkeypatch, {2048: 3e-3, 1024: 2e-3, 512: 2.5e-3})
+    assert built.key == ("jax_splash_attention", 1024, 0)
+    assert asked == [2048, 1024, 512]
+    assert "1024: 2,000.0 us scheduled" in built.notes[-1]
+    # a size that does not compile is passed over, not taken for a time
+    built, asked = _pick_splash_block(monkeypatch, {2048: None, 1024: 2e-3, 512: 1e-3})
+    assert built.key == ("jax_splash_attention", 512, 0)
+    assert "2048: does not compile" in built.notes[-1]
+
+
+def test_splash_best_stops_once_a_smaller_block_is_slower(monkeypatch):
+    built, asked = _pick_splash_block(monkeypatch, {2048: 1e-3, 1024: 2e-3, 512: 0.5e-3})
+    assert built.key == ("jax_splash_attention", 2048, 0)
+    assert asked == [2048, 1024]
+
+
+def test_splash_best_caps_blocks_at_the_sequence_and_skips_when_none_compiles(monkeypatch):
+    built, asked = _pick_splash_block(monkeypatch, {1024: 2e-3, 512: 1e-3}, seq=1024)
+    assert asked == [1024, 512] and built.key == ("jax_splash_attention", 512, 0)
+    with pytest.raises(registry.Skip, match="no splash block size compiles"):
+        _pick_splash_block(monkeypatch, dict.fromkeys(registry.SPLASH_BLOCKS))
+
+
+def test_splash_best_times_its_winner_with_the_walk_the_sweep_reuses():
+    """Without the compiler the choice falls back to the ideal model; the
+    winner's walk is the one the sweep then reports (no second walk)."""
+    from bench import sweep, xla_cost
+
+    ctx = sweep.Context(("v6e",), xla_cost.CompileCache(None), do_compile=False, scheduled=False)
+    point = points.AttentionPoint(seq=2048, q_heads=4, kv_heads=2)
+    rec = sweep.evaluate(registry.REGISTRY["jax_splash_best"], point, ctx)
+    g = rec["per_generation"]["v6e"]
+    assert g["status"] == "ok", g["reason"]
+    tried = g["notes"][-1]
+    assert tried.startswith("block sizes tried: 2048: ") and "ideal model" in tried
+    assert len(ctx.walks) == tried.count(" us ")
+    # fewer, larger blocks: fewer grid steps for the same flops in the ideal model
+    assert "blocks q=kv=kv_compute=2048" in g["notes"][0]
+
+
 @pytest.mark.parametrize("impl", ["ours_flash_attention", "jax_splash_attention"])
 def test_windowed_attention_points_match_reference(impl, monkeypatch):
     # A 96-key window over 256 positions: each query sees its 96 latest keys.
