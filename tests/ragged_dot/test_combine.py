@@ -5,6 +5,7 @@ and gmm's packed output, in interpret mode against references.
   inf, signed zeros and subnormals included).
 - gmm(packed=True) writes, bit for bit, pairs.pack_rows of the output gmm
   writes unpacked (whose numerics test_gmm.py checks against ragged_dot).
+- kernel_pack.pack_rows writes pairs.pack_rows bit for bit.
 - combine against an f32 sum of the same bf16 rows (tests/tolerances.py): one
   rounding to the output dtype plus f32 reordering over the k terms.
 """
@@ -55,6 +56,36 @@ def test_pack_unpack_round_trip_bit_for_bit(rows, n, seed):
     np.testing.assert_array_equal(flat[:, : n // 256].reshape(rows, n // 2), np.asarray(words))
     assert not flat[:, n // 256 :].any()
     np.testing.assert_array_equal(_bits(pairs.unpack_rows(pairs.pack_rows(y), n)), _bits(y))
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(
+    st.sampled_from([1, 40, 100]),
+    st.sampled_from([256, 768, 2816]),
+    st.sampled_from([None, 16, 32]),
+    st.integers(0, 2**16),
+)
+def test_pack_rows_kernel_writes_pack_rows_bit_for_bit(t, n, block_t, seed):
+    """kernel_pack.pack_rows (what gmm's in-kernel gather reads) is
+    pairs.pack_rows, special values, padding word rows and a partial last
+    block included."""
+    from ragged_dot_tpu.kernel_pack import pack_rows
+
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal((t, n)).astype(np.float32) * 10.0 ** rng.integers(-30, 30)
+    y.flat[rng.integers(0, y.size, 12)] = rng.choice(SPECIAL, 12)
+    y = jnp.asarray(y, jnp.bfloat16)
+    got = pack_rows(y, block_t=block_t, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(pairs.pack_rows(y)))
+
+
+def test_pack_rows_kernel_refuses_what_it_cannot_pack():
+    from ragged_dot_tpu.kernel_pack import pack_rows
+
+    with pytest.raises(ValueError, match="pack_rows: x: expected bfloat16"):
+        pack_rows(jnp.zeros((4, 256), jnp.float32))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        pack_rows(jnp.zeros((4, 2880), jnp.bfloat16))
 
 
 # -- gmm(packed=True) --------------------------------------------------------------

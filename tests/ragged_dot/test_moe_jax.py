@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from ragged_dot_tpu import tiling
+from ragged_dot_tpu import pairs, tiling
 from ragged_dot_tpu.api import moe_experts
 from ragged_dot_tpu.reference import tolerance
 from moe_cases import abs_bound_moe as _abs_bound_moe
@@ -264,6 +264,26 @@ def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
     training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
     assert (t * k, i) in inference and (t * k, 2 * i) not in inference
     assert (t * k, 2 * i) in training and (t * k, i) not in training
+    for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
+        assert out.dtype == jnp.bfloat16
+        assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=["qwen_mixtral", "gemma_like"])
+def test_prefill_inference_gathers_rows_in_the_gate_up_kernel(layout):
+    """Past the one-hot routing's range (520 tokens) inference hands the
+    hidden states to the gate/up gmm, which fetches each row by DMA from
+    their packed copy (kernel_pack) instead of XLA gathering [T * k, H]
+    first; training keeps XLA's gather. Both match transformers' layer with
+    the bf16 test's bound."""
+    e, h, i, t, k = 4, 256, 128, 520, 2
+    args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=13)
+    f = lambda x, *rest: moe_experts(x, *rest, **_kw(layout, e))  # noqa: E731
+    assert not tiling.route_by_matmul(t, jnp.bfloat16, jnp.bfloat16)
+    packed_hidden = (t * pairs.row_words(h), 128)
+    assert packed_hidden in _pallas_widths(jax.make_jaxpr(f)(*args))
+    training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
+    assert packed_hidden not in training
     for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
         assert out.dtype == jnp.bfloat16
         assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)

@@ -18,7 +18,7 @@ import jax
 
 import jax.numpy as jnp
 
-from . import checks, moe, mxfp4, tiling
+from . import checks, moe, mxfp4, pairs, tiling
 from .kernel_combine import combine
 from .kernel_gmm import gmm, resolve_config
 from .kernel_moe_decode import fused_moe_decode
@@ -361,7 +361,7 @@ def _moe_program(
             quantize_lhs=quantize_activations,
         )
 
-    def matmul_glu(x, w, group_sizes):
+    def matmul_glu(x, w, group_sizes, gather=None):
         w, transpose_rhs, _ = _hbm_view(w, not is_transposed)
         return gmm(
             x,
@@ -372,6 +372,7 @@ def _moe_program(
             config=config,
             interpret=interpret,
             glu=(activation, alpha, limit),
+            gather=gather,
         )
 
     down_config = _configs(configs["down"])[0]  # the forward's
@@ -438,7 +439,37 @@ def _moe_program(
         group_offset=group_offset,
         alpha=alpha,
         limit=limit,
+        glu_gathers=fused
+        and not quantize_activations
+        and _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config),
     )
+
+
+def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool:
+    """Whether the fused gate/up gmm can gather its rows itself (gmm's
+    gather=): bf16 hidden states and weights, H a multiple of 256 (rows
+    packed as pairs.pack_rows lays them out), prefill past the one-hot
+    routing's range, and its blocks (as tiling picks them) covering all of
+    the output's columns, so each row tile is fetched once."""
+    h = hidden.shape[1]
+    if (
+        hidden.dtype != jnp.bfloat16
+        or gate_up.dtype != jnp.bfloat16
+        or not pairs.packable(h)
+        # below, the layer routes by one-hot matmuls, or decodes
+        or hidden.shape[0] <= tiling.ROUTE_BY_MATMUL_MAX_TOKENS
+    ):
+        return False
+    w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
+    n_out = (w.shape[1] if transpose_rhs else w.shape[2]) // 2
+    m = top_k_index.shape[0] * top_k_index.shape[1]
+    try:
+        cfg = resolve_config(
+            config, m, h, n_out, w.shape[0], hidden.dtype, w.dtype, hidden.dtype, True, False, True
+        )
+    except ValueError:  # no block of the whole output fits VMEM
+        return False
+    return cfg.block_n == n_out
 
 
 def _glu_fusable(gate_up, bias, scale, has_gate, is_transposed, is_concatenated) -> bool:

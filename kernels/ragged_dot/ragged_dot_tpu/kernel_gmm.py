@@ -103,10 +103,12 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from . import moe, mxfp4, pairs, tiling, w8a8
+from . import kernel_pack, moe, mxfp4, pairs, tiling, w8a8
 
 
-def resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False, packed=False):
+def resolve_config(
+    config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False, packed=False, gather=False
+):
     if isinstance(config, tiling.GmmConfig):
         return config
     if config is None or isinstance(config, str):
@@ -121,6 +123,7 @@ def resolve_config(config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=Fals
             generation=config,
             glu=glu,
             packed=packed,
+            gather=gather,
         )
     raise ValueError(f"config: expected None, a generation name or a GmmConfig, got {config!r}")
 
@@ -157,7 +160,7 @@ def lhs_row_tile(t_i, ends_ref, goff_ref, *, m, block_m, num_groups, num_local):
     return jnp.clip(t_i, first, last)
 
 
-def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=()):
+def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
     """Calls emit(r0, size, fresh) over sublane-aligned passes covering
     [r_lo, r_hi); rows of a pass before `fresh` were covered by an earlier
     pass, so emit keeps rows [max(r_lo, fresh), r_hi) of it.
@@ -194,6 +197,8 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=()):
     def whole(i, c):
         # A pass past the whole ones (a wide merged tail) ends at the group's last tile.
         r0 = a_lo + i * chunk
+        if on_whole is not None:
+            on_whole()
         emit(pl.multiple_of(jnp.minimum(r0, a_hi - chunk), sub), chunk, r0)
         return c
 
@@ -215,6 +220,8 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=()):
             @pl.when(jnp.logical_and(merge, jnp.logical_and(n_small > below, n_small <= tiles)))
             def _():
                 emit(pl.multiple_of(jnp.maximum(a_hi - size, 0), sub), size, last_r0)
+                if on_whole is not None:
+                    on_whole()
 
             below = tiles
         alone = jnp.logical_not(has_big)
@@ -315,7 +322,11 @@ def _gmm_kernel(
     glu=None,
     packed=False,
     merged_tails=(),
+    gather_rw=0,
+    tiles=1,
 ):
+    if gather_rw:
+        ids_first, ids_next, *rest = rest
     if scale_axis:
         scale_hbm, out_ref, *rest = rest
     else:
@@ -330,6 +341,9 @@ def _gmm_kernel(
         sbuf, ssem, *rest = rest
     if scale_axis == "mx":
         wdec, *rest = rest  # a slab piece decoded, [K, piece]
+    if gather_rw:
+        xw, xsem = rest
+        lhs_hbm = lhs_ref
     if manual_lhs:
         # One row tile: lhs is copied by hand, so its DMA is queued with the
         # weights' instead of being waited for (a whole DMA latency) before
@@ -342,6 +356,59 @@ def _gmm_kernel(
         block_n, tiling.GLU_PIECE if glu else tiling.widest_piece(wbuf.dtype)
     )
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
+    if gather_rw:
+        rw = gather_rw
+        n_ck = block_m // chunk_m  # row chunks of a tile, one semaphore each
+        junk = 2 * n_ck  # the semaphore of copies past a tile's rows
+        gslot = lax.rem(t_i, 2)
+
+        def issue_batch(ids_ref, slot, c, valid):
+            """Rows [c, c + chunk_m) of the tile whose ids ids_ref holds, into
+            `slot`'s buffer, one DMA a row; where not `valid` they land in the
+            junk rows under the junk semaphore instead (no branch in the
+            caller's pass body)."""
+            c = jnp.where(valid, c, 0)
+            base = jnp.where(valid, (slot * block_m + c) * rw, 2 * block_m * rw)
+            sem_i = jnp.where(valid, slot * n_ck + lax.div(c, chunk_m), junk)
+            for j in range(chunk_m):
+                tok = ids_ref[0, c + j]
+                pltpu.make_async_copy(
+                    lhs_hbm.at[pl.ds(pl.multiple_of(tok * rw, 8), rw)],
+                    xw.at[pl.ds(pl.multiple_of(base + j * rw, 8), rw)],
+                    xsem.at[sem_i],
+                ).start()
+
+        def wait_chunk(sem_i):
+            span = xw.at[pl.ds(0, chunk_m * rw)]
+            pltpu.make_async_copy(span, span, xsem.at[sem_i]).wait()
+
+        def issue_next():
+            # Called from each whole row pass: the next tile's rows, a chunk
+            # at a time, while this tile's passes keep the MXU busy.
+            c = state_ref[3]
+            valid = jnp.logical_and(c < block_m, t_i + 1 < tiles)
+            issue_batch(ids_next, 1 - gslot, c, valid)
+            state_ref[3] = c + chunk_m
+            state_ref[5] = state_ref[5] + jnp.where(valid, 0, 1)
+
+        def landed(r_end):
+            """Waits for the chunks of this tile's rows [0, r_end) not yet waited."""
+            last = lax.div(r_end - 1, chunk_m)
+
+            def body(c):
+                wait_chunk(gslot * n_ck + c)
+                return c + 1
+
+            state_ref[4] = lax.while_loop(lambda c: c <= last, body, state_ref[4])
+
+        def gathered(r0, size):
+            """Rows [r0, r0 + size) of the tile, unpacked from their words."""
+            base = gslot * block_m * rw + r0 * rw
+            parts = []
+            for g in range(contraction // pairs.GROUP):
+                words = xw[pl.ds(base + g, size, stride=rw), :]
+                parts.extend(pairs.halves(words))
+            return jnp.concatenate(parts, axis=1)
 
     # state: 0 = number of active groups, 1 = cursor into the active list for
     # this N slab, 2 = weight stream items already waited for. Stream item
@@ -425,6 +492,14 @@ def _gmm_kernel(
             trace_ref[0] = 0
         if manual_lhs:
             lhs_copy.start()
+        if gather_rw:
+            state_ref[5] = 0
+
+            def first(b, c):
+                issue_batch(ids_first, 0, b * chunk_m, True)
+                return c
+
+            lax.fori_loop(0, n_ck, first, 0)
         # The active list. Group ends are monotonic, so a group is active iff
         # its clamped end passes the previous one; out-of-range group ids
         # (shards past the last group) are never active. Two passes over the
@@ -479,6 +554,9 @@ def _gmm_kernel(
     def _new_slab():
         state_ref[1] = 0
 
+    if gather_rw:
+        state_ref[3] = 0
+        state_ref[4] = 0
     out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
     na = state_ref[0]
     tile_lo = t_i * block_m
@@ -621,7 +699,10 @@ def _gmm_kernel(
 
         def emit(r0, size, fresh):
             row_scale = None
-            if scale_axis in ("n", "k", None):  # block_dot and the FP4 path read their own rows
+            if gather_rw:
+                landed(r0 + size)
+                x = gathered(r0, size)
+            elif scale_axis in ("n", "k", None):  # block_dot and the FP4 path read their own rows
                 x = lhs_ref[pl.ds(r0, size), :]
                 if scale_axis == "k":
                     x = x.astype(jnp.float32) * sbuf[slot]
@@ -629,6 +710,8 @@ def _gmm_kernel(
                     x, row_scale = w8a8.quantize_rows(x, wbuf.dtype)
                 else:
                     x = x.astype(compute_dtype)
+            if gather_rw:
+                x = x.astype(compute_dtype)
             keep = kept_rows(r0, size, fresh)
 
             def columns(c0, width):
@@ -657,7 +740,15 @@ def _gmm_kernel(
             over_pieces(columns)
 
         if scale_axis != "mx":
-            row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit, merged=merged_tails)
+            row_passes(
+                r_lo,
+                r_hi,
+                sub=sub,
+                chunk=chunk_m,
+                emit=emit,
+                merged=merged_tails,
+                on_whole=issue_next if gather_rw else None,
+            )
             return
         # Decoding straight into the MXU wins while a group takes one or two
         # passes (its stores and reloads of the piece cost more than a second
@@ -692,6 +783,24 @@ def _gmm_kernel(
 
     a_end, _ = lax.while_loop(cond, body, (state_ref[1], True))
     state_ref[1] = a_end
+    if gather_rw:
+        # The next tile's rows no whole pass issued, then this tile's chunks
+        # no pass waited for (its slot is refilled next step).
+        @pl.when(t_i + 1 < tiles)
+        def _():
+            def rest_batch(b, c):
+                issue_batch(ids_next, 1 - gslot, state_ref[3] + b * chunk_m, True)
+                return c
+
+            lax.fori_loop(
+                0, lax.div(jnp.maximum(block_m - state_ref[3], 0), chunk_m), rest_batch, 0
+            )
+
+        landed(block_m)
+
+        @pl.when(t_i + 1 == tiles)
+        def _():
+            lax.fori_loop(0, state_ref[5], lambda b, c: wait_chunk(junk) or c, 0)
 
 
 @functools.partial(
@@ -724,6 +833,7 @@ def gmm(
     quantize_lhs=False,
     glu=None,
     packed=False,
+    gather=None,
 ):
     """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
@@ -768,6 +878,21 @@ def gmm(
       With _trace=True also an int32 log of weight DMAs: [count, n*G_local+g...].
     """
     m, k = lhs.shape
+    if gather is not None:
+        if (
+            lhs.dtype != jnp.bfloat16
+            or not pairs.packable(k)
+            or gather.ndim != 1
+            or not jnp.issubdtype(gather.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                "gmm: gather needs bfloat16 lhs [T, K] with K a multiple of"
+                f" {pairs.GROUP} and integer row ids [M]; got lhs {lhs.dtype}"
+                f" {tuple(lhs.shape)}, gather {gather.dtype} {tuple(gather.shape)}"
+            )
+        if scale_axis is not None or quantize_lhs:
+            raise ValueError("gmm: gather takes unquantized rhs only")
+        m = gather.shape[0]
     num_local = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
@@ -861,7 +986,17 @@ def gmm(
             out = jnp.zeros((m, n_out), out_dtype)
         return (out, jnp.zeros((1,), jnp.int32)) if _trace else out
     cfg = resolve_config(
-        config, m, k, n_out, num_local, lhs.dtype, w_dtype, out_dtype, glu is not None, packed
+        config,
+        m,
+        k,
+        n_out,
+        num_local,
+        lhs.dtype,
+        w_dtype,
+        out_dtype,
+        glu is not None,
+        packed,
+        gather is not None,
     )
     sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n_out, sub)
@@ -872,6 +1007,12 @@ def gmm(
             f" got {bn}"
         )
     chunk = min(cfg.chunk_m, bm)
+    if gather is not None and (bn != n_out or bm % chunk):
+        raise ValueError(
+            "gmm: gather needs the whole of N in one block and row tiles of whole chunks"
+            f" (its rows are fetched a chunk at a time): config.block_n expected {n_out},"
+            f" got {bn}; block_m {bm} a multiple of chunk_m {chunk}"
+        )
     tiles = pl.cdiv(m, bm)
     n_blocks = pl.cdiv(n_out, bn)
 
@@ -887,7 +1028,8 @@ def gmm(
         return t_i, n_i
 
     # Mosaic copies whole 8-row tiles only (37 or 12 rows fail to compile).
-    manual_lhs = tiles == 1 and m % 8 == 0
+    manual_lhs = tiles == 1 and m % 8 == 0 and gather is None
+    gather_rw = pairs.row_words(k) if gather is not None else 0
     out_single = {} if tiles * n_blocks > 1 else {"pipeline_mode": pl.Buffered(1)}
     in_specs = [
         pl.BlockSpec(memory_space=pl.ANY) if manual_lhs else pl.BlockSpec((bm, k), lhs_map),
@@ -895,6 +1037,16 @@ def gmm(
     ]
     if quantized:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    if gather is not None:
+        in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
+        in_specs += [
+            pl.BlockSpec((None, 1, bm), lambda n_i, t_i, *_: (0, 0, 0), memory_space=pltpu.SMEM),
+            pl.BlockSpec(
+                (None, 1, bm),
+                lambda n_i, t_i, *_: (jnp.minimum(t_i + 1, tiles - 1), 0, 0),
+                memory_space=pltpu.SMEM,
+            ),
+        ]
     if packed:
         rw = pairs.row_words(n_out)
         out_specs = [pl.BlockSpec((bm * rw, pairs.GROUP // 2), out_map, **out_single)]
@@ -912,7 +1064,7 @@ def gmm(
         pltpu.VMEM(wshape, rhs.dtype),
         pltpu.SemaphoreType.DMA((buffers,)),
         pltpu.SMEM((num_local,), jnp.int32),
-        pltpu.SMEM((3,), jnp.int32),
+        pltpu.SMEM((6,), jnp.int32),
     ]
     if scale_axis == "block":
         scratch += [
@@ -933,6 +1085,11 @@ def gmm(
         ]
     if manual_lhs:
         scratch += [pltpu.VMEM((bm, k), lhs.dtype), pltpu.SemaphoreType.DMA((1,))]
+    if gather is not None:
+        scratch += [
+            pltpu.VMEM(((2 * bm + chunk) * gather_rw, pairs.GROUP // 2), jnp.uint32),
+            pltpu.SemaphoreType.DMA((2 * (bm // chunk) + 1,)),
+        ]
     precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
     kernel = functools.partial(
         _gmm_kernel,
@@ -957,6 +1114,8 @@ def gmm(
         glu=glu,
         packed=packed,
         merged_tails=cfg.merged_tails,
+        gather_rw=gather_rw,
+        tiles=tiles,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(
@@ -981,6 +1140,7 @@ def gmm(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary"),
+            disable_bounds_checks=gather is not None,
             vmem_limit_bytes=tiling.vmem_limit_for(
                 cfg.vmem_limit_bytes,
                 tiling.gmm_vmem_bytes(
@@ -996,6 +1156,8 @@ def gmm(
                     buffers,
                     glu=glu is not None,
                     packed=packed,
+                    merged=cfg.merged_tails,
+                    gather=gather is not None,
                 ),
             ),
         ),
@@ -1003,7 +1165,13 @@ def gmm(
         cost_estimate=cost,
         name="ragged_dot_gmm",
     )
-    res = call(ends, goff, lhs, rhs, *((rhs_scale,) if quantized else ()))
+    if gather is not None:
+        ids = jnp.clip(gather.astype(jnp.int32), 0, lhs.shape[0] - 1)
+        ids = jnp.pad(ids, (0, tiles * bm - m)).reshape(tiles, 1, bm)
+        words = kernel_pack.pack_rows(lhs, interpret=interpret)
+        res = call(ends, goff, words, rhs, ids, ids)
+    else:
+        res = call(ends, goff, lhs, rhs, *((rhs_scale,) if quantized else ()))
     return (res[0], res[1]) if _trace else res[0]
 
 

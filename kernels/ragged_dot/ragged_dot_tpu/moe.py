@@ -118,6 +118,7 @@ def experts_program(
     routing="auto",
     matmul_glu=None,
     down_combine=None,
+    glu_gathers=False,
 ):
     """routing: "auto" (tiling.route_by_matmul decides) or "gather" (always
     gathers: the reference's choice). matmul_glu: None, or (x, gate_up,
@@ -128,7 +129,11 @@ def experts_program(
     hidden's dtype, the down projection and the combine as kernels where the
     layer gathers (slots [T, k]: each token's rows in sorted order; weights
     [T, k], 0 where a slot is not this shard's; the caller has checked there
-    is no down bias); not differentiated."""
+    is no down bias); not differentiated. glu_gathers: where the layer
+    gathers, matmul_glu takes the hidden states and the rows' token ids
+    (gather=) and fetches each row itself, instead of XLA gathering a
+    [T * k, H] copy first (the caller has checked matmul_glu can: bf16
+    hidden states, H a multiple of 256)."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     # Projections come out in the weights' dtype, as in transformers; quantized
@@ -153,6 +158,8 @@ def experts_program(
         onehot = _slots_of(tok_sorted, t).T.astype(dtype)  # [S, T]
         x = _exact_dot(onehot, jnp.where(finite, hidden, 0)).astype(dtype)
         hidden_bad = ~jnp.all(finite, axis=1)
+    elif glu_gathers and matmul_glu is not None:
+        x = None  # the gate/up gmm fetches each row itself
     else:
         x = hidden[tok_sorted].astype(dtype)
 
@@ -171,7 +178,10 @@ def experts_program(
 
     if matmul_glu is not None:
         # One pass fewer over [S, 2I] and [S, I]: the projection never leaves VMEM.
-        activated = matmul_glu(x, gate_up, group_sizes)
+        if x is None:
+            activated = matmul_glu(hidden, gate_up, group_sizes, gather=tok_sorted)
+        else:
+            activated = matmul_glu(x, gate_up, group_sizes)
     else:
         proj = matmul(x, gate_up, group_sizes, "up")
         if gate_up_bias is not None:

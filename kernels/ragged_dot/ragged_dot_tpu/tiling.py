@@ -460,6 +460,7 @@ def gmm_vmem_bytes(
     glu=False,
     packed=False,
     merged=(),
+    gather=False,
 ) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
 
@@ -468,7 +469,10 @@ def gmm_vmem_bytes(
     `glu`, n and bn count output columns: each slab holds a gate and an up
     block, and each piece has two f32 products. `packed`: the output block
     holds pairs.pack_rows' rows, whole (8, 128) word tiles a row (Gemma 4's
-    2816 columns: 16 word rows for 11, 45% over bf16's bytes)."""
+    2816 columns: 16 word rows for 11, 45% over bf16's bytes). `gather`: lhs
+    rows gathered in the kernel (gmm's gather=): two tiles of packed rows and
+    a chunk of junk rows in place of the lhs blocks, and each pass's rows
+    unpacked through f32."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     halves = 2 if glu else 1
     tiles = -(-m // bm)
@@ -476,7 +480,10 @@ def gmm_vmem_bytes(
     lhs_bufs = 1 if tiles == 1 else 2
     out_bufs = 1 if tiles * n_blocks == 1 else 2
     kp, np_ = _lane(k), _lane(bn)
-    need = lhs_bufs * bm * kp * ib
+    if gather:
+        need = (2 * bm + chunk) * _row_bytes(k)
+    else:
+        need = lhs_bufs * bm * kp * ib
     out_row = _row_bytes(bn) if packed else np_ * ob
     need += out_bufs * bm * out_row
     mx = mxfp4.is_mxfp4(w_dtype)
@@ -493,7 +500,7 @@ def gmm_vmem_bytes(
     # The lhs rows are an f32 temporary only where they are scaled or
     # quantized (quantized weights); else they are the rows as read, which
     # for Mixtral's down projection (K = 14,336) is what sets its blocks.
-    need += rows * kp * (4 if is_quantized(w_dtype) else ib)
+    need += rows * kp * (4 if is_quantized(w_dtype) else ib + (4 if gather else 0))
     p, _, tail = gmm_pieces(bn, GLU_PIECE if glu else widest_piece(w_dtype))
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += (2 * halves + 1) * rows * pp * 4 + rows * pp * ob
@@ -528,11 +535,14 @@ def gmm_config(
     w_dtype=None,
     glu: bool = False,
     packed: bool = False,
+    gather: bool = False,
 ) -> GmmConfig:
     """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`.
     With `glu`, n is the output's columns (rhs has 2n: gate and up halves)
     and block_n a block of them: every slab carries gate and up blocks.
-    `packed`: the output is written as packed rows (gmm's packed=True)."""
+    `packed`: the output is written as packed rows (gmm's packed=True).
+    `gather`: lhs rows gathered in the kernel (gmm's gather=), which needs
+    the whole of n in one block (each row tile is then fetched once)."""
     gen = get_generation(generation)
     dtype = jnp.dtype(dtype)
     w_dtype = jnp.dtype(w_dtype or dtype)
@@ -547,12 +557,27 @@ def gmm_config(
         merged = merged_tail_tiles(chunk, sub) if top else ()
         if merged and bm < chunk + merged[-1] * sub:
             merged = ()
-        for bn in _slab_candidates(n):
+        if gather and bm % chunk:  # the rows are fetched a chunk at a time
+            continue
+        for bn in [n] if gather else _slab_candidates(n):
             # Fewer slots before smaller blocks: two still stream, one behind another.
             slab_n = 2 * bn if glu else bn
             for bufs in range(weight_buffers(k, slab_n, w_dtype, gen), 1, -1):
                 need = gmm_vmem_bytes(
-                    m, k, n, bm, bn, chunk, dtype, w_dtype, out_dtype, bufs, glu, packed, merged
+                    m,
+                    k,
+                    n,
+                    bm,
+                    bn,
+                    chunk,
+                    dtype,
+                    w_dtype,
+                    out_dtype,
+                    bufs,
+                    glu,
+                    packed,
+                    merged,
+                    gather,
                 )
                 if need <= gen.vmem_budget:
                     break
