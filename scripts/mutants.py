@@ -216,6 +216,50 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm: f32 lhs rounded to bf16 before the MXU (wrong cast)",
     ),
     Mutant(
+        "gmm-gather-wait-late",
+        GMM,
+        "            last = lax.div(r_end - 1, chunk_m)",
+        "            last = lax.div(r_end - 1, chunk_m) - 1",
+        (f"{T_GMM}::test_gathered_rows_are_waited_for_under_tpu_interpreter",),
+        "gmm gather: a pass waits for the chunks before its last one only (reads rows in flight)",
+    ),
+    Mutant(
+        "gmm-gather-this-slot",
+        GMM,
+        "            issue_batch(ids_next, 1 - gslot, c, valid)",
+        "            issue_batch(ids_next, gslot, c, valid)",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_as_xla_would",),
+        "gmm gather: the next tile's rows land in the rows this tile still reads",
+    ),
+    Mutant(
+        "gmm-gather-rest-from-zero",
+        GMM,
+        "issue_batch(ids_next, 1 - gslot, state_ref[3] + b * chunk_m, True)",
+        "issue_batch(ids_next, 1 - gslot, b * chunk_m, True)",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_as_xla_would",),
+        "gmm gather: the step's end issues the next tile's first rows again, not the rest",
+    ),
+    Mutant(
+        "gmm-gather-unpack-order",
+        GMM,
+        "                parts.extend(pairs.halves(words))",
+        "                parts.extend(pairs.halves(words)[::-1])",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_as_xla_would",),
+        "gmm gather: a word group's two 128-column halves unpacked in swapped order",
+    ),
+    Mutant(
+        "gmm-vmem-gather-one-tile",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "        need = (2 * bm + chunk) * _row_bytes(k)",
+        "        need = bm * _row_bytes(k)",
+        (
+            "tests/ragged_dot/test_compile_gate.py::"
+            "test_gate_up_gmm_gathering_its_rows_compiles_at_its_vmem_estimate"
+            "[gather-qwen3_30b_a3b-8192-tpu7x]",
+        ),
+        "gmm VMEM estimate with gather: one tile of packed rows counted, not two and the junk",
+    ),
+    Mutant(
         "gmm-merged-start",
         GMM,
         "emit(pl.multiple_of(jnp.maximum(a_hi - size, 0), sub), size, last_r0)",

@@ -209,6 +209,8 @@ def gate_program(point) -> GateProgram:
         return _glu_program(point[1:])
     if point[0] == "combine":
         return _combine_program(point[1:])
+    if point[0] == "gather":
+        return _gather_program(point[1:])
     model, projection, tokens, kernel, generation = point
     e, top_k, k, n = _dims(model, projection)
     m = tokens * top_k
@@ -402,6 +404,49 @@ def _combine_program(point) -> GateProgram:
         spec((tokens, top_k), jnp.float32),
     ]
     return GateProgram(fn, args, generation)
+
+
+# Prefill inference's gate/up gmm gathering its rows (gmm(gather=), the
+# hidden states packed by kernel_pack first): Qwen3 (H = 2048), Gemma 4
+# (H = 2816, word rows padded to whole tiles; the layer takes it on v5e and
+# v6e only, as it does the combine), torch's [E, 2I, H] layout, every
+# generation, with tiling's blocks and the VMEM limit set to tiling's own
+# estimate (the packed row tiles and the junk chunk in place of the lhs
+# blocks): an undercount fails the compile.
+GATHER_POINTS = [
+    ("gather", model, tokens, gen)
+    for model in ("qwen3_30b_a3b", "gemma4_26b_a4b")
+    for tokens in (2048, 8192)
+    for gen in ("v5e", "v6e", "tpu7x")
+]
+
+
+def _gather_program(point) -> GateProgram:
+    model, tokens, generation = point
+    e, top_k, h, i = MODELS[model]
+    m = tokens * top_k
+    bf16 = jnp.bfloat16
+    cfg = tiling.gmm_config(m, h, i, e, bf16, generation=generation, glu=True, gather=True)
+    chunk = min(cfg.chunk_m, cfg.block_m)
+    need = tiling.gmm_vmem_bytes(
+        m,
+        h,
+        i,
+        cfg.block_m,
+        cfg.block_n,
+        chunk,
+        bf16,
+        bf16,
+        bf16,
+        cfg.weight_buffers,
+        glu=True,
+        merged=cfg.merged_tails,
+        gather=True,
+    )
+    cfg = dataclasses.replace(cfg, vmem_limit_bytes=need)
+    fn = functools.partial(gmm, transpose_rhs=True, glu=("silu", 1.702, 7.0), config=cfg)
+    args = [spec((tokens, h)), spec((e, 2 * i, h)), spec((e,), jnp.int32), spec((m,), jnp.int32)]
+    return GateProgram(lambda x, w, s, ids: fn(x, w, s, gather=ids), args, generation)
 
 
 # lhs and rhs of different dtypes (the MXU runs in rhs's: f32 rows cast to bf16
@@ -652,6 +697,11 @@ def test_glu_gmm_compiles(point, pool):
 
 @pytest.mark.parametrize("point", COMBINE_POINTS, ids=_id)
 def test_packed_down_projection_and_combine_compile(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", GATHER_POINTS, ids=_id)
+def test_gate_up_gmm_gathering_its_rows_compiles_at_its_vmem_estimate(point, pool):
     pool.assert_ok(__file__, point)
 
 

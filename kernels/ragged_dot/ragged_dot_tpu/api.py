@@ -18,7 +18,7 @@ import jax
 
 import jax.numpy as jnp
 
-from . import checks, moe, mxfp4, pairs, tiling
+from . import checks, moe, mxfp4, tiling
 from .kernel_combine import combine
 from .kernel_gmm import gmm, resolve_config
 from .kernel_moe_decode import fused_moe_decode
@@ -447,17 +447,20 @@ def _moe_program(
 
 def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool:
     """Whether the fused gate/up gmm can gather its rows itself (gmm's
-    gather=): bf16 hidden states and weights, H a multiple of 256 (rows
-    packed as pairs.pack_rows lays them out), prefill past the one-hot
-    routing's range, and its blocks (as tiling picks them) covering all of
-    the output's columns, so each row tile is fetched once."""
+    gather=): bf16 hidden states and weights, prefill past the one-hot
+    routing's range, H as tiling.combine_in_kernel allows (rows packed as
+    pairs.pack_rows lays them out), and its blocks (as tiling picks them)
+    covering all of the output's columns, so each row tile is fetched
+    once."""
     h = hidden.shape[1]
     if (
         hidden.dtype != jnp.bfloat16
         or gate_up.dtype != jnp.bfloat16
-        or not pairs.packable(h)
         # below, the layer routes by one-hot matmuls, or decodes
         or hidden.shape[0] <= tiling.ROUTE_BY_MATMUL_MAX_TOKENS
+        # rows packed as the combine's are (padded to whole tiles where H is
+        # not a multiple of 2048: fetched only where HBM is slow)
+        or not tiling.combine_in_kernel(h, config if isinstance(config, str) else None)
     ):
         return False
     w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
