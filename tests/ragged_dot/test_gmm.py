@@ -866,8 +866,27 @@ def _gather_case(problem):
 
 
 # Several tiles, the last one partial, rows past the sum; merged tails; one
-# tile only (every pass's prefetch goes to the junk rows).
+# tile only (every pass's prefetch goes to the junk rows); tiles with one
+# whole pass for two chunks (the step's end issues the next tile's second);
+# a tile with five whole passes for four chunks (two wide merged tails: the
+# fifth's copies go to the junk rows).
 @example((True, 40, 256, 128, 190, [60, 0, 70, 41], tiling.GmmConfig(64, 128, 32), "silu", 1))
+@example(
+    (False, 40, 256, 128, 190, [16, 48, 16, 48, 16, 46], tiling.GmmConfig(64, 128, 32), None, 5)
+)
+@example(
+    (
+        True,
+        96,
+        256,
+        128,
+        300,
+        [97, 97, 62, 44],
+        tiling.GmmConfig(256, 128, 64, merged_tails=(1, 2)),
+        "silu",
+        6,
+    )
+)
 @example(
     (
         True,
