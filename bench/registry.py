@@ -702,12 +702,11 @@ def _splash_block_time(point, generation, ctx, block):
     scheduled where every launch has a schedule, else the ideal model."""
     from . import model as model_mod
 
-    fn = _jax_splash_block(point, block).fn
-    b = min(block, point.seq)
+    built = _jax_splash_block(point, block)
     # The sweep's own walk key for the winner (see sweep.evaluate), so its
     # walk, compiles and schedules are the ones measured here.
-    key = (("jax_splash_attention", b, point.window, point.walk_key[-1]), point.walk_key)
-    launches, costs = ctx.walk(key, point.program(fn), point.walker_args())
+    key = (built.key + (point.walk_key[-1],), point.walk_key)
+    launches, costs = ctx.walk(key, point.program(built.fn), point.walker_args())
     ideal = sum(model_mod.kernel_time_s(c.hbm_bytes, c.flops, c.steps, generation) for c in costs)
     if not ctx.do_compile:
         return ideal, "ideal model"

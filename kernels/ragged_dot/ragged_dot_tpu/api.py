@@ -468,7 +468,16 @@ def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool
     m = top_k_index.shape[0] * top_k_index.shape[1]
     try:
         cfg = resolve_config(
-            config, m, h, n_out, w.shape[0], hidden.dtype, w.dtype, hidden.dtype, True, False, True
+            config,
+            m,
+            h,
+            n_out,
+            w.shape[0],
+            hidden.dtype,
+            w.dtype,
+            hidden.dtype,
+            glu=True,
+            gather=True,
         )
     except ValueError:  # no block of the whole output fits VMEM
         return False

@@ -374,6 +374,8 @@ def _gmm_kernel(
     )
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
     if gather_rw:
+        # state 3: rows of the next tile issued this step; 4: chunks of this
+        # tile waited for; 5: chunks of copies sent to the junk rows.
         rw = gather_rw
         n_ck = block_m // chunk_m  # row chunks of a tile, one semaphore each
         junk = 2 * n_ck  # the semaphore of copies past a tile's rows
@@ -428,7 +430,8 @@ def _gmm_kernel(
             return jnp.concatenate(parts, axis=1)
 
     # state: 0 = number of active groups, 1 = cursor into the active list for
-    # this N slab, 2 = weight stream items already waited for. Stream item
+    # this N slab, 2 = weight stream items already waited for (3-5: the row
+    # gather's, above). Stream item
     # q = n * na + a is slab n of active group a; its buffer slot is q % buffers.
     # `buffers - 1` items are in flight while one is on the MXU, so each DMA's
     # issue latency hides behind the transfers queued before it (with one in
@@ -1046,14 +1049,14 @@ def gmm(
     manual_lhs = tiles == 1 and m % 8 == 0 and gather is None
     gather_rw = pairs.row_words(k) if gather is not None else 0
     out_single = {} if tiles * n_blocks > 1 else {"pipeline_mode": pl.Buffered(1)}
+    hbm_lhs = manual_lhs or gather is not None  # copied by the kernel itself
     in_specs = [
-        pl.BlockSpec(memory_space=pl.ANY) if manual_lhs else pl.BlockSpec((bm, k), lhs_map),
+        pl.BlockSpec(memory_space=pl.ANY) if hbm_lhs else pl.BlockSpec((bm, k), lhs_map),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
     if quantized:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     if gather is not None:
-        in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
         in_specs += [
             pl.BlockSpec((None, 1, bm), lambda n_i, t_i, *_: (0, 0, 0), memory_space=pltpu.SMEM),
             pl.BlockSpec(
