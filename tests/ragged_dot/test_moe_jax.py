@@ -269,21 +269,30 @@ def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
         assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)
 
 
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=["qwen_mixtral", "gemma_like"])
-def test_prefill_inference_gathers_rows_in_the_gate_up_kernel(layout):
-    """Past the one-hot routing's range (520 tokens) inference hands the
-    hidden states to the gate/up gmm, which fetches each row by DMA from
-    their packed copy (kernel_pack) instead of XLA gathering [T * k, H]
-    first; training keeps XLA's gather. Both match transformers' layer with
-    the bf16 test's bound."""
-    e, h, i, t, k = 4, 256, 128, 520, 2
+@pytest.mark.parametrize(
+    "layout, t",
+    [(LAYOUTS[0], 520), (LAYOUTS[3], 520), (LAYOUTS[0], 300)],
+    ids=["qwen_mixtral", "gemma_like", "one_hot_range"],
+)
+def test_prefill_inference_gathers_rows_in_the_gate_up_kernel(layout, t):
+    """Past the one-launch kernel's limit (300 and 520 tokens here) inference
+    hands the hidden states to the gate/up gmm, which fetches each row by
+    DMA from their packed copy (kernel_pack) instead of a [T * k, H] copy
+    made first: XLA's gather past the one-hot routing's range (520), the
+    dispatch matmul in it (300). Training keeps the copy. Both match
+    transformers' layer with the bf16 test's bound."""
+    e, h, i, k = 4, 256, 128, 2
     args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=13)
     f = lambda x, *rest: moe_experts(x, *rest, **_kw(layout, e))  # noqa: E731
-    assert not tiling.route_by_matmul(t, jnp.bfloat16, jnp.bfloat16)
+    one_hot = tiling.route_by_matmul(t, jnp.bfloat16, jnp.bfloat16)
+    assert one_hot == (t <= tiling.ROUTE_BY_MATMUL_MAX_TOKENS)
     packed_hidden = (t * pairs.row_words(h), 128)
-    assert packed_hidden in _pallas_widths(jax.make_jaxpr(f)(*args))
-    training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
-    assert packed_hidden not in training
+    inference = jax.make_jaxpr(f)(*args)
+    assert packed_hidden in _pallas_widths(inference)
+    copy = f"[{t * k},{h}] = {'dot_general' if one_hot else 'gather'}"
+    assert copy not in str(inference)
+    training = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args)
+    assert packed_hidden not in _pallas_widths(training) and copy in str(training)
     for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
         assert out.dtype == jnp.bfloat16
         assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)

@@ -447,17 +447,17 @@ def _moe_program(
 
 def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool:
     """Whether the fused gate/up gmm can gather its rows itself (gmm's
-    gather=): bf16 hidden states and weights, prefill past the one-hot
-    routing's range, H as tiling.combine_in_kernel allows (rows packed as
+    gather=): bf16 hidden states and weights, tiling.GATHER_MIN_TOKENS or
+    more, H as tiling.combine_in_kernel allows (rows packed as
     pairs.pack_rows lays them out), and its blocks (as tiling picks them)
     covering all of the output's columns, so each row tile is fetched
-    once."""
+    once. Where it can, it does in the one-hot routing's range too (the
+    dispatch matmul's [T * k, H] product is written and read otherwise)."""
     h = hidden.shape[1]
     if (
         hidden.dtype != jnp.bfloat16
         or gate_up.dtype != jnp.bfloat16
-        # below, the layer routes by one-hot matmuls, or decodes
-        or hidden.shape[0] <= tiling.ROUTE_BY_MATMUL_MAX_TOKENS
+        or hidden.shape[0] < tiling.GATHER_MIN_TOKENS
         # rows packed as the combine's are (padded to whole tiles where H is
         # not a multiple of 2048: fetched only where HBM is slow)
         or not tiling.combine_in_kernel(h, config if isinstance(config, str) else None)

@@ -47,9 +47,10 @@ Why it looks like this
   (8,192 Qwen3 tokens on v6e: 214 us of activation pass gone, the gate/up
   launch 903 -> 835 us by its schedule). Training keeps the projection (the
   backward differentiates the activation from it).
-* Past the one-hot range, inference lets that gmm gather its own rows
-  (``glu_gathers``, kernel_gmm's ``gather``): XLA's [T * k, H] gathered copy
-  was written and read again, 537 MB at 8,192 Qwen3 tokens.
+* Inference lets that gmm gather its own rows (``glu_gathers``,
+  kernel_gmm's ``gather``): XLA's [T * k, H] gathered copy was written and
+  read again, 537 MB at 8,192 Qwen3 tokens; in the one-hot range it takes
+  the dispatch matmul's place too (tiling.GATHER_MIN_TOKENS).
 """
 
 from __future__ import annotations
@@ -132,11 +133,11 @@ def experts_program(
     hidden's dtype, the down projection and the combine as kernels where the
     layer gathers (slots [T, k]: each token's rows in sorted order; weights
     [T, k], 0 where a slot is not this shard's; the caller has checked there
-    is no down bias); not differentiated. glu_gathers: where the layer
-    gathers, matmul_glu takes the hidden states and the rows' token ids
-    (gather=) and fetches each row itself, instead of XLA gathering a
-    [T * k, H] copy first (the caller has checked matmul_glu can: bf16
-    hidden states, H a multiple of 256)."""
+    is no down bias); not differentiated. glu_gathers: matmul_glu takes the
+    hidden states and the rows' token ids (gather=) and fetches each row
+    itself, in place of a [T * k, H] copy made first (XLA's gather, or in
+    the one-hot range the dispatch matmul); the caller has checked
+    matmul_glu can: bf16 hidden states, H a multiple of 256."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     # Projections come out in the weights' dtype, as in transformers; quantized
@@ -153,7 +154,12 @@ def experts_program(
     )
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
     group_sizes = group_sizes[:num_experts]
-    by_matmul = routing == "auto" and tiling.route_by_matmul(t, hidden.dtype, dtype)
+    kernel_gathers = glu_gathers and matmul_glu is not None
+    by_matmul = (
+        routing == "auto"
+        and not kernel_gathers
+        and tiling.route_by_matmul(t, hidden.dtype, dtype)
+    )
     tok_sorted = order // k
     if by_matmul:
         # Non-finite hidden values are zeroed here and restored as NaN at the end.
@@ -161,7 +167,7 @@ def experts_program(
         onehot = _slots_of(tok_sorted, t).T.astype(dtype)  # [S, T]
         x = _exact_dot(onehot, jnp.where(finite, hidden, 0)).astype(dtype)
         hidden_bad = ~jnp.all(finite, axis=1)
-    elif glu_gathers and matmul_glu is not None:
+    elif kernel_gathers:
         x = None  # the gate/up gmm fetches each row itself
     else:
         x = hidden[tok_sorted].astype(dtype)

@@ -91,6 +91,14 @@ def is_quantized(dtype) -> bool:
 # at 1 token, within 0.5 us either way at 2 and 4, -1.6 us at 8 (v6e and tpu7x).
 ROUTE_BY_MATMUL_MIN_TOKENS = 8
 ROUTE_BY_MATMUL_MAX_TOKENS = 512
+# Inference hands the hidden states to the gate/up gmm, which fetches each
+# row itself (api._gather_fusable), from this many tokens: below, XLA's
+# gather of a few rows costs less than the packing launch. In the one-hot
+# range it replaces the dispatch matmul, whose [T * k, H] product was written
+# and read again: scheduled Qwen3 layer at 512 tokens, v6e 942.5 -> 932.3 us,
+# tpu7x 464.4 -> 455.6; at 320, 918.3 -> 912.3 and 442.5 -> 437.8 (below
+# ~250 tokens the one-launch kernel takes the layer).
+GATHER_MIN_TOKENS = ROUTE_BY_MATMUL_MIN_TOKENS
 
 
 def route_by_matmul(tokens: int, hidden_dtype, dtype) -> bool:
