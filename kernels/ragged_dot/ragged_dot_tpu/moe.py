@@ -156,9 +156,7 @@ def experts_program(
     group_sizes = group_sizes[:num_experts]
     kernel_gathers = glu_gathers and matmul_glu is not None
     by_matmul = (
-        routing == "auto"
-        and not kernel_gathers
-        and tiling.route_by_matmul(t, hidden.dtype, dtype)
+        routing == "auto" and not kernel_gathers and tiling.route_by_matmul(t, hidden.dtype, dtype)
     )
     tok_sorted = order // k
     if by_matmul:
