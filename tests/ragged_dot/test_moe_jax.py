@@ -293,6 +293,14 @@ def test_prefill_inference_gathers_rows_in_the_gate_up_kernel(layout, t):
     assert copy not in str(inference)
     training = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args)
     assert packed_hidden not in _pallas_widths(training) and copy in str(training)
+    if one_hot:
+        # The one-hot dispatch zeroed a non-finite hidden state and restored
+        # its token's row as NaN; fetched rows keep it to their own token.
+        out = np.asarray(f(*args), np.float32)
+        bad = np.asarray(f(args[0].at[3, 5].set(jnp.inf), *args[1:]), np.float32)
+        assert not np.isfinite(bad[3]).any()
+        rest = np.arange(t) != 3
+        np.testing.assert_array_equal(bad[rest], out[rest])
     for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
         assert out.dtype == jnp.bfloat16
         assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)
