@@ -1725,6 +1725,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: inference gathers rows for the combine in XLA although the kernel applies",
     ),
     Mutant(
+        "moe-gather-not-in-one-hot-range",
+        MOE,
+        'routing == "auto" and not kernel_gathers and tiling.route_by_matmul(',
+        'routing == "auto" and tiling.route_by_matmul(',
+        (f"{T_MOE}::test_prefill_inference_gathers_rows_in_the_gate_up_kernel",),
+        "moe: in the one-hot range inference dispatches by the matmul although the gate/up"
+        " gmm can fetch its rows",
+    ),
+    Mutant(
         "moe-combine-one-hot-nan",
         MOE,
         "        res = jnp.where(bad[:, None], jnp.nan, res)\n",

@@ -43,6 +43,11 @@ the [T, H] result, nothing in between.
   bounds whatever `slots` holds, and the DMAs' own bounds checks are
   compiled out. What is left of a copy's issue is ~7 scalar ops (the id's
   load, two addresses), ~4 bundles on the two scalar slots.
+* A tile's 16-token parts are unrolled (block_t / 16, at most 8): each
+  copy's id slot and VMEM destination are then constants instead of a sum
+  on the loop's counter (a copy every ~3.7 bundles). 8,192 Qwen3 tokens on
+  tpu7x, scheduled: 178.3 -> 153.9 us (v6e, bound by its copies' bytes:
+  221.4, unchanged).
 """
 
 from __future__ import annotations
@@ -180,7 +185,7 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
                     out_ref[pl.ds(r0, SUB), pl.ds(o + half, half)] = high.astype(out_ref.dtype)
                 return carry
 
-            lax.fori_loop(0, bt // SUB, part, 0)
+            lax.fori_loop(0, bt // SUB, part, 0, unroll=True)
 
             @pl.when(i + 1 == nt)
             def _():
