@@ -459,8 +459,8 @@ def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool
         or gate_up.dtype != jnp.bfloat16
         or hidden.shape[0] < tiling.GATHER_MIN_TOKENS
         # rows packed as the combine's are (padded to whole tiles where H is
-        # not a multiple of 2048: fetched only where HBM is slow)
-        or not tiling.combine_in_kernel(h, config if isinstance(config, str) else None)
+        # not a multiple of 2048)
+        or not tiling.combine_in_kernel(h)
     ):
         return False
     w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
@@ -500,16 +500,14 @@ def _glu_fusable(gate_up, bias, scale, has_gate, is_transposed, is_concatenated)
 def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, config) -> bool:
     """Whether the down gmm writes its rows packed for kernel_combine (gmm's
     packed=True): bf16 hidden states and projection, no down bias, not FP4
-    weights, H as tiling.combine_in_kernel allows on this generation, and
-    the down gmm's blocks (as given or as tiling picks them) covering all of
-    H."""
+    weights, H as tiling.combine_in_kernel allows, and the down gmm's blocks
+    (as given or as tiling picks them) covering all of H."""
     h = hidden.shape[1]
-    generation = config if isinstance(config, str) else None
     if (
         hidden.dtype != jnp.bfloat16
         or bias is not None
         or mxfp4.is_mxfp4(down.dtype)
-        or not tiling.combine_in_kernel(h, generation)
+        or not tiling.combine_in_kernel(h)
     ):
         return False
     out_dtype = down.dtype if jnp.dtype(down.dtype).itemsize > 1 else hidden.dtype

@@ -946,24 +946,18 @@ COMBINE_ROWS_BYTES = 8 * MiB
 
 
 # Rows whose words are padded to whole tiles (H not a multiple of 2048: Gemma
-# 4's 2816 takes 16 word rows a token for its 11) cost the down gmm those
-# bytes too. Where HBM is fast that outweighs XLA's gather and sum, which
-# cost only bytes there (Gemma 4, 8,192 tokens, the layer by its schedule:
-# tpu7x 2,042.2 -> 2,068.9 us, its down gmm 491.3 -> 560.7; v6e 3,399.4 ->
-# 3,119.7). Unpadded rows (Qwen3) win on both: v6e 2,397.4 -> 2,042.4,
-# tpu7x 1,356.5 -> 1,323.4.
-COMBINE_PADDED_MAX_HBM_BYTES_PER_S = 2e12
-
-
-def combine_in_kernel(hidden: int, generation: str | None) -> bool:
+# 4's 2816 takes 16 word rows a token for its 11) cost the down gmm and the
+# combine those bytes too. Until 2026-12-06 tpu7x, whose HBM is fast, kept
+# XLA's gather and sum for them (Gemma 4 at 8,192 tokens, 2026-12-04: 2,042.2
+# us against 2,068.9 with the kernel). Since the gate/up gmm fetches its own
+# rows and the combine issues its copies from constant addresses, the kernels
+# win there too: Gemma 4 on tpu7x, the layer by its schedule, 614.5 -> 566.5
+# us at 512 tokens, 821.6 -> 749.1 at 2,048, 1,876.7 -> 1,873.6 at 8,192.
+def combine_in_kernel(hidden: int) -> bool:
     """Whether the MoE layer's combine runs as kernel_combine on packed rows
-    (else XLA gathers and sums): H packable, and its rows unpadded or HBM
-    slower than COMBINE_PADDED_MAX_HBM_BYTES_PER_S."""
-    if not pairs.packable(hidden):
-        return False
-    padded = pairs.row_words(hidden) * pairs.GROUP != hidden
-    gen = get_generation(generation)
-    return not padded or gen.hbm_bytes_per_s < COMBINE_PADDED_MAX_HBM_BYTES_PER_S
+    (else XLA gathers and sums): H packable (pairs.packable), whether or not
+    a token's words are padded to whole tiles."""
+    return pairs.packable(hidden)
 
 
 def combine_block_t(tokens: int, k: int, hidden: int) -> int:
