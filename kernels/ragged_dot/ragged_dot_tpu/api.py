@@ -398,6 +398,7 @@ def _moe_program(
             weights,
             hidden=hidden.shape[1],
             out_dtype=hidden.dtype,
+            generation=config if isinstance(config, str) else None,
             interpret=interpret,
         )
 

@@ -100,8 +100,20 @@ def _check(rows, slots, weights, hidden, out_dtype):
         raise ValueError(f"combine: out_dtype: expected bfloat16 or float32, got {out_dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("hidden", "out_dtype", "block_t", "interpret"))
-def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=None, interpret=False):
+@functools.partial(
+    jax.jit, static_argnames=("hidden", "out_dtype", "block_t", "generation", "interpret")
+)
+def combine(
+    rows,
+    slots,
+    weights,
+    *,
+    hidden,
+    out_dtype=jnp.bfloat16,
+    block_t=None,
+    generation=None,
+    interpret=False,
+):
     """Args:
       rows: uint32 [S * pairs.row_words(H), 128]: S rows of H bf16 values as
         pairs.pack_rows lays them out (gmm's packed output).
@@ -111,7 +123,8 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
         nothing: its row is still read, and 0 x inf is NaN as in XLA's sum).
       out_dtype: bfloat16 or float32.
       hidden: H, a multiple of 256 (pairs.packable).
-      block_t: tokens a grid step (default tiling.combine_block_t).
+      block_t: tokens a grid step (default tiling.combine_block_t for
+        `generation`, the attached chip's if None).
 
     Returns [T, H] in out_dtype.
     """
@@ -123,7 +136,7 @@ def combine(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16, block_t=Non
     h = hidden
     if t == 0 or k == 0 or s == 0:
         return jnp.zeros((t, h), out_dtype)
-    bt = block_t or tiling.combine_block_t(t, k, h)
+    bt = block_t or tiling.combine_block_t(t, k, h, generation)
     if bt % SUB:
         raise ValueError(f"combine: block_t: expected a multiple of {SUB}, got {bt}")
     nt = pl.cdiv(t, bt)

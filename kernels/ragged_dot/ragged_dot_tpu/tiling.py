@@ -939,10 +939,10 @@ def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
 
 COMBINE_BLOCK_T = 128
 COMBINE_SLOTS = 3  # row slots: one summed, two tiles' copies in flight
-# Its row slots: the bytes of COMBINE_SLOTS x k x block_t packed rows. Within
-# 3/4 of the smallest default scoped VMEM of any generation (16 MiB), with the
-# output's blocks beside them.
-COMBINE_ROWS_BYTES = 8 * MiB
+# Its row slots: the bytes of COMBINE_SLOTS x k x block_t packed rows, the
+# most it asks for (with the output's blocks beside them, under a quarter of
+# any generation's VMEM).
+COMBINE_ROWS_BYTES = 16 * MiB
 
 
 # Rows whose words are padded to whole tiles (H not a multiple of 2048: Gemma
@@ -960,13 +960,25 @@ def combine_in_kernel(hidden: int) -> bool:
     return pairs.packable(hidden)
 
 
-def combine_block_t(tokens: int, k: int, hidden: int) -> int:
-    """Tokens a combine step: COMBINE_BLOCK_T, fewer where the slots' k rows
-    a token would pass COMBINE_ROWS_BYTES (a multiple of 16, the bf16 output's
-    sublane tile), and no more than the tokens there are."""
-    per_token = COMBINE_SLOTS * k * _row_bytes(hidden)
-    fit = max(16, COMBINE_ROWS_BYTES // per_token // 16 * 16)
-    return min(COMBINE_BLOCK_T, fit, round_up(tokens, 16))
+def combine_block_t(tokens: int, k: int, hidden: int, generation: str | None = None) -> int:
+    """Tokens a combine step: enough that a tile's rows take a DMA latency to
+    copy at the generation's HBM bandwidth (a multiple of 16, the bf16
+    output's sublane tile), at most COMBINE_BLOCK_T, within
+    COMBINE_ROWS_BYTES for the slots, and no more than the tokens there are.
+
+    A step issues the copies of the tile two ahead while it sums its own, so
+    its last copies must land within the next step: a step shorter than the
+    latency waits out the rest. Gemma 4 (padded 8 KiB rows) had 32-token
+    steps for the 8 MiB the slots were given, ~0.6 us on tpu7x: its combine
+    at 8,192 tokens scheduled 299.7 us, half of it waiting; 80 tokens, 190.1.
+    No larger than that: on slow HBM the copies bind, and larger tiles only
+    expose more of the first two tiles' copies (v6e Gemma 4: 417.0 us at 32
+    tokens, 423.7 at 80)."""
+    gen = get_generation(generation)
+    per_token = k * _row_bytes(hidden)
+    cover = -(-math.ceil(tpu_info.DMA_LATENCY_S * gen.hbm_bytes_per_s / per_token) // 16) * 16
+    fit = max(16, COMBINE_ROWS_BYTES // (COMBINE_SLOTS * per_token) // 16 * 16)
+    return min(COMBINE_BLOCK_T, fit, max(16, cover), round_up(tokens, 16))
 
 
 def combine_vmem_bytes(block_t: int, k: int, hidden: int, out_dtype) -> int:
