@@ -961,24 +961,25 @@ def combine_in_kernel(hidden: int) -> bool:
 
 
 def combine_block_t(tokens: int, k: int, hidden: int, generation: str | None = None) -> int:
-    """Tokens a combine step: enough that a tile's rows take a DMA latency to
-    copy at the generation's HBM bandwidth (a multiple of 16, the bf16
-    output's sublane tile), at most COMBINE_BLOCK_T, within
-    COMBINE_ROWS_BYTES for the slots, and no more than the tokens there are.
+    """Tokens a combine step: the most (a multiple of 16, the bf16 output's
+    sublane tile) whose rows copy within a DMA latency at the generation's
+    HBM bandwidth, at most COMBINE_BLOCK_T, within COMBINE_ROWS_BYTES for the
+    slots, and at most an eighth of the tokens.
 
     A step issues the copies of the tile two ahead while it sums its own, so
-    its last copies must land within the next step: a step shorter than the
-    latency waits out the rest. Gemma 4 (padded 8 KiB rows) had 32-token
-    steps for the 8 MiB the slots were given, ~0.6 us on tpu7x: its combine
-    at 8,192 tokens scheduled 299.7 us, half of it waiting; 80 tokens, 190.1.
-    No larger than that: on slow HBM the copies bind, and larger tiles only
-    expose more of the first two tiles' copies (v6e Gemma 4: 417.0 us at 32
-    tokens, 423.7 at 80)."""
+    its last copies land only if the next step lasts about a DMA latency:
+    Gemma 4 (padded 8 KiB rows) had 32-token steps for the 8 MiB its slots
+    were given, ~0.6 us on tpu7x, and its combine at 8,192 tokens scheduled
+    299.7 us, half of it waiting (64 tokens: 188.5). Larger tiles expose more
+    of the first two tiles' copies, which nothing overlaps: v6e Gemma 4 417.0
+    us at 32 tokens, 419.2 at 48; Qwen3 at 512 tokens on tpu7x 24.3 us at 64,
+    27.4 at 128 (hence at least 8 steps)."""
     gen = get_generation(generation)
     per_token = k * _row_bytes(hidden)
-    cover = -(-math.ceil(tpu_info.DMA_LATENCY_S * gen.hbm_bytes_per_s / per_token) // 16) * 16
-    fit = max(16, COMBINE_ROWS_BYTES // (COMBINE_SLOTS * per_token) // 16 * 16)
-    return min(COMBINE_BLOCK_T, fit, max(16, cover), round_up(tokens, 16))
+    cover = int(tpu_info.DMA_LATENCY_S * gen.hbm_bytes_per_s / per_token) // 16 * 16
+    fit = COMBINE_ROWS_BYTES // (COMBINE_SLOTS * per_token) // 16 * 16
+    eighth = tokens // 8 // 16 * 16
+    return max(16, min(COMBINE_BLOCK_T, fit, cover, eighth, round_up(tokens, 16)))
 
 
 def combine_vmem_bytes(block_t: int, k: int, hidden: int, out_dtype) -> int:
