@@ -43,6 +43,12 @@ the [T, H] result, nothing in between.
   bounds whatever `slots` holds, and the DMAs' own bounds checks are
   compiled out. What is left of a copy's issue is ~7 scalar ops (the id's
   load, two addresses), ~4 bundles on the two scalar slots.
+* A tile is the most tokens whose rows copy within a DMA latency
+  (tiling.combine_block_t): a step's last copies, issued for the tile two
+  ahead, land only if the next step lasts about that long (Gemma 4's padded
+  rows at 32-token steps on tpu7x: 299.7 us at 8,192 tokens, half of it
+  waiting; 188.5 at 64), and larger tiles expose more of the first two
+  tiles' copies.
 * A tile's 16-token parts are unrolled (block_t / 16, at most 8): each
   copy's id slot and VMEM destination are then constants instead of a sum
   on the loop's counter (a copy every ~3.7 bundles). 8,192 Qwen3 tokens on
