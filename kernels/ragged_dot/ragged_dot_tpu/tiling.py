@@ -940,8 +940,8 @@ def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
 COMBINE_BLOCK_T = 128
 COMBINE_SLOTS = 3  # row slots: one summed, two tiles' copies in flight
 # Its row slots: the bytes of COMBINE_SLOTS x k x block_t packed rows, the
-# most it asks for (with the output's blocks beside them, under a quarter of
-# any generation's VMEM).
+# most it asks for (with the output's blocks and 4 MiB of temporaries beside
+# them, at most ~21 MiB: within the smallest scoped budget, tpu7x's 48 MiB).
 COMBINE_ROWS_BYTES = 16 * MiB
 
 
