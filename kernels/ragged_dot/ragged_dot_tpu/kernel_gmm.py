@@ -675,13 +675,9 @@ def _gmm_kernel(
                 # pairs.pack_rows: each 256-column group of the piece is one
                 # row of words a token, every rw-th row of the block.
                 rw = pairs.row_words(block_n)
-                half = pairs.GROUP // 2
                 for gg in range(width // pairs.GROUP):
                     g = lax.div(c0, pairs.GROUP) + gg
-                    words = pairs.pack_halves(
-                        y[:, gg * pairs.GROUP : gg * pairs.GROUP + half],
-                        y[:, gg * pairs.GROUP + half : (gg + 1) * pairs.GROUP],
-                    )
+                    words = pairs.group_words(y, gg)
                     dst = (pl.ds(r0 * rw + g, size, stride=rw), slice(None))
                     out_ref[dst] = jnp.where(keep, words, out_ref[dst])
                 return

@@ -46,9 +46,7 @@ def pack_rows(x, *, block_t=None, interpret=False):
         if rw > h // pairs.GROUP:  # padding word rows are written as zeros
             out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
         for g in range(h // pairs.GROUP):
-            o = g * pairs.GROUP
-            words = pairs.pack_halves(x_ref[:, o : o + half], x_ref[:, o + half : o + 2 * half])
-            out_ref[pl.ds(g, bt, stride=rw), :] = words
+            out_ref[pl.ds(g, bt, stride=rw), :] = pairs.group_words(x_ref, g)
 
     return pl.pallas_call(
         kernel,

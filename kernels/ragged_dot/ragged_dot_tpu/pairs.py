@@ -32,13 +32,22 @@ def packable(n: int) -> bool:
 
 def pack_halves(low, high):
     """Two same-shaped float arrays -> uint32 words: each value rounded to
-    bf16 once, `low`'s in the low half (also gmm's epilogue, on the two
-    128-lane halves of a 256-column group)."""
+    bf16 once, `low`'s in the low half (group_words: the two 128-lane
+    halves of a 256-column group)."""
 
     def bits(x):
         return lax.bitcast_convert_type(x.astype(jnp.bfloat16).astype(jnp.float32), jnp.uint32)
 
     return lax.shift_right_logical(bits(low), jnp.uint32(16)) | (bits(high) & jnp.uint32(HIGH))
+
+
+def group_words(y, g):
+    """The words of y's 256-column group g (y an array or a VMEM ref, [rows,
+    >= 256 (g + 1)]): its two 128-lane halves packed, whole vregs and no lane
+    shuffles. What gmm's packed epilogue and kernel_pack store a group at a
+    time."""
+    o = g * GROUP
+    return pack_halves(y[:, o : o + GROUP // 2], y[:, o + GROUP // 2 : o + GROUP])
 
 
 def pack(y):

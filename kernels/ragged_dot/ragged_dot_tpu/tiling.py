@@ -979,7 +979,7 @@ def combine_block_t(tokens: int, k: int, hidden: int, generation: str | None = N
     cover = int(tpu_info.DMA_LATENCY_S * gen.hbm_bytes_per_s / per_token) // 16 * 16
     fit = COMBINE_ROWS_BYTES // (COMBINE_SLOTS * per_token) // 16 * 16
     eighth = tokens // 8 // 16 * 16
-    return max(16, min(COMBINE_BLOCK_T, fit, cover, eighth, round_up(tokens, 16)))
+    return max(16, min(COMBINE_BLOCK_T, fit, cover, eighth))
 
 
 def combine_vmem_bytes(block_t: int, k: int, hidden: int, out_dtype) -> int:
