@@ -207,6 +207,8 @@ def gate_program(point) -> GateProgram:
         return _mxfp4_layer_program(point[1:])
     if point[0] == "glu":
         return _glu_program(point[1:])
+    if point[0] == "gpt_oss_layer":
+        return _gpt_oss_layer_program(point[1:])
     if point[0] == "combine":
         return _combine_program(point[1:])
     if point[0] == "gather":
@@ -518,6 +520,40 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
     return GateProgram(fn, args, generation)
 
 
+# GPT-OSS's own experts layer at prefill, inference: gate and up columns
+# interleaved, biases on both projections, its clamped GLU. The gate/up gmm
+# deinterleaves and adds its bias in the epilogue where its whole-expert slabs
+# fit VMEM (v5e, v6e; tpu7x keeps XLA's activation), the down gmm adds its
+# bias on every generation. (kind, tokens, generation)
+GPT_OSS_LAYER_POINTS = [("gpt_oss_layer", 8192, g) for g in ("v5e", "v6e", "tpu7x")]
+
+
+def _gpt_oss_layer_program(point) -> GateProgram:
+    tokens, generation = point
+    e, top_k, h, i = MODELS["gpt_oss_20b"]
+    kw = dict(
+        num_experts=e,
+        is_transposed=True,
+        is_concatenated=False,
+        activation="gpt_oss",
+        config=generation,
+    )
+
+    def fn(hid, idx, w, gu, dn, gu_b, dn_b):
+        return moe_experts(hid, idx, w, gu, dn, gu_b, dn_b, **kw)
+
+    args = [
+        spec((tokens, h)),
+        spec((tokens, top_k), jnp.int32),
+        spec((tokens, top_k)),
+        spec((e, h, 2 * i)),
+        spec((e, i, h)),
+        spec((e, 2 * i)),
+        spec((e, h)),
+    ]
+    return GateProgram(fn, args, generation)
+
+
 # The one-launch decode layer (kernel_moe_decode) at the shapes it takes:
 # the smallest and largest token counts of a generation, the torch and
 # transposed weight layouts, TP-8 slices (Qwen3 I/8 = 96, Mixtral I/8 = 1792)
@@ -692,6 +728,11 @@ def test_mxfp4_moe_layer_fwd_and_grad_compile(point, pool):
 
 @pytest.mark.parametrize("point", GLU_POINTS, ids=_id)
 def test_glu_gmm_compiles(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", GPT_OSS_LAYER_POINTS, ids=_id)
+def test_gpt_oss_layer_with_its_epilogues_compiles(point, pool):
     pool.assert_ok(__file__, point)
 
 

@@ -718,6 +718,63 @@ def test_group_sizes_of_other_integer_types_are_read_as_int32(dtype):
     assert np.all(np.asarray(out[20:], np.float32) == 0)
 
 
+# -- gmm(bias=...): transformers' proj + bias in the epilogue -----------------------
+
+
+def _group_rows(values, sizes, m):
+    """values[g] for each row of group g, zeros for rows past the groups' sum."""
+    ids = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
+    ids = np.pad(ids, (0, m - len(ids)), constant_values=-1)
+    return jnp.where(ids[:, None] >= 0, values[np.maximum(ids, 0)], 0.0)
+
+
+@st.composite
+def bias_problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    transpose = draw(st.booleans())
+    m = draw(st.sampled_from([5, 24, 37, 100]))
+    k = draw(st.sampled_from([40, 128]))
+    n = draw(st.sampled_from([40, 128, 256, 320]))  # 40, 320: not whole lane tiles / a tail piece
+    g = draw(st.integers(1, 4))
+    sizes = _sizes(draw, m, g)
+    cfg = None
+    if draw(st.booleans()):
+        bm, chunk = _blocks(draw, m, dtype)
+        cfg = tiling.GmmConfig(
+            bm,
+            _slab(draw, n),
+            chunk,
+            weight_buffers=draw(st.integers(2, 4)),
+            merged_tails=_merged(draw, bm, chunk, dtype),
+        )
+    return dtype, transpose, m, k, n, sizes, cfg, draw(st.integers(0, 2**16))
+
+
+# GPT-OSS's down projection in small: N not a multiple of 128, [K, N] weights;
+# 128-column slabs (two bias slices a group) over several row tiles.
+@example((jnp.bfloat16, False, 37, 128, 320, [20, 0, 17], None, 1))
+@example((jnp.bfloat16, True, 100, 40, 256, [30, 0, 7, 12], tiling.GmmConfig(16, 128, 16), 2))
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(bias_problems())
+def test_gmm_bias_matches_reference(problem):
+    """Each row's group's bias added to its product rounded to the output
+    dtype, rounded again: two roundings of at most u times |product| + |bias|."""
+    dtype, transpose, m, k, n, sizes, cfg, seed = problem
+    rng = np.random.default_rng(seed)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs = _rand(rng, (m, k), dtype)
+    w_kn = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    rhs = jnp.swapaxes(w_kn, 1, 2) if transpose else w_kn
+    bias = jnp.asarray(rng.standard_normal((len(sizes), n)), dtype)
+    out = gmm(lhs, rhs, gs, transpose_rhs=transpose, bias=bias, config=cfg, interpret=True)
+    assert out.dtype == dtype and out.shape == (m, n)
+    b = _group_rows(_f32(bias), sizes, m)
+    ref = ragged_dot_reference(_f32(lhs), _f32(w_kn), gs) + b
+    mag = ragged_dot_reference(_abs32(lhs), _abs32(w_kn), gs) + jnp.abs(b)
+    assert_close(out, ref, magnitude=mag, roundings=2, what="gmm + bias")
+    assert not np.asarray(out[sum(sizes) :], np.float32).any()
+
+
 # -- gmm(glu=...): act(gate) * up in the epilogue ---------------------------------
 
 GLU_ACTIVATIONS = ["silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2", "gpt_oss"]
@@ -727,20 +784,33 @@ def _glu_fn(act):
     return functools.partial(moe.glu, activation=act, alpha=1.702, limit=7.0)
 
 
-def _check_glu(out, lhs, w_kn, gs, act, i):
-    """out = act(gate) * up against the f32 reference products. The kernel
-    rounds each product to out's dtype once before the activation: that
-    rounding's error (u times the product's magnitude) reaches the result
-    through the activation's derivatives, |dh/dg| mag_g + |dh/du| mag_u."""
+def _check_glu(out, lhs, w_kn, gs, act, i, interleaved=False, bias=None):
+    """out = act(gate) * up against the f32 reference products (gate and up
+    as halves or, `interleaved`, alternating columns; plus each row's group's
+    `bias` in out's dtype). The kernel rounds each product to out's dtype
+    once before the activation (twice with a bias: the product, then its sum
+    with the bias): that rounding's error (u times the magnitude of the terms)
+    reaches the result through the activation's derivatives, |dh/dg| mag_g +
+    |dh/du| mag_u."""
     ref = ragged_dot_reference(_f32(lhs), _f32(w_kn), gs)
     mag = ragged_dot_reference(_abs32(lhs), _abs32(w_kn), gs)
+    if bias is not None:
+        # Rows past the groups' sum are the kernel's zeros: no bias there.
+        b = _group_rows(_f32(bias.astype(out.dtype)), gs, lhs.shape[0])
+        ref, mag = ref + b, mag + jnp.abs(b)
+    if interleaved:
+        split = lambda a: (a[:, 0::2], a[:, 1::2])  # noqa: E731
+    else:
+        split = lambda a: (a[:, :i], a[:, i:])  # noqa: E731
     f = _glu_fn(act)
-    g, u = ref[:, :i], ref[:, i:]
+    (g, u), (mag_g, mag_u) = split(ref), split(mag)
     want = f(g, u)
-    _, via_g = jax.jvp(f, (g, u), (mag[:, :i], jnp.zeros_like(u)))
-    _, via_u = jax.jvp(f, (g, u), (jnp.zeros_like(g), mag[:, i:]))
+    _, via_g = jax.jvp(f, (g, u), (mag_g, jnp.zeros_like(u)))
+    _, via_u = jax.jvp(f, (g, u), (jnp.zeros_like(g), mag_u))
     spread = jnp.abs(via_g) + jnp.abs(via_u)
-    return assert_close(out, want, magnitude=spread, roundings=1, what=f"glu {act}")
+    return assert_close(
+        out, want, magnitude=spread, roundings=1 + (bias is not None), what=f"glu {act}"
+    )
 
 
 @st.composite
@@ -813,6 +883,98 @@ def test_gmm_glu_epilogue_matches_reference(problem):
     assert not np.asarray(out[sum(sizes) :], np.float32).any()
 
 
+@st.composite
+def interleaved_glu_problems(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    transpose = draw(st.booleans())
+    # Multiples of 64 (tiling.glu_fusable): 64 and 192 end in a lone 128-lane
+    # product tile (GPT-OSS's 2,880 does: 11 pieces of 256 and one of 64).
+    i = draw(st.sampled_from([64, 128, 192, 320]))
+    m = draw(st.sampled_from([5, 24, 37, 100]))
+    k = draw(st.sampled_from([40, 128]))
+    g = draw(st.integers(1, 4))
+    sizes = _sizes(draw, m, g)
+    act = draw(st.sampled_from(GLU_ACTIVATIONS))
+    cfg = None
+    if draw(st.booleans()):
+        bm, chunk = _blocks(draw, m, dtype)
+        cfg = tiling.GmmConfig(
+            bm,
+            _slab(draw, i),
+            chunk,
+            weight_buffers=draw(st.integers(2, 4)),
+            merged_tails=_merged(draw, bm, chunk, dtype),
+        )
+    bias = draw(st.booleans())
+    return dtype, transpose, m, k, i, sizes, act, cfg, bias, draw(st.integers(0, 2**16))
+
+
+# GPT-OSS's layer: interleaved with a bias, [K, 2I] weights; slabs of 128
+# columns (two blocks) over several row tiles; a 320-column slab (one 256
+# piece and a 64-column tail); transposed weights without a bias.
+@example((jnp.bfloat16, False, 37, 128, 192, [20, 0, 17], "gpt_oss", None, True, 1))
+@example(
+    (
+        jnp.bfloat16,
+        False,
+        100,
+        40,
+        256,
+        [30, 0, 7, 12],
+        "silu",
+        tiling.GmmConfig(16, 128, 16),
+        True,
+        2,
+    )
+)
+@example(
+    (jnp.float32, False, 24, 40, 320, [9, 15], "gpt_oss", tiling.GmmConfig(8, 320, 8), True, 3)
+)
+@example((jnp.bfloat16, True, 100, 128, 64, [60, 40], "gelu", None, False, 4))
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(interleaved_glu_problems())
+def test_gmm_interleaved_glu_epilogue_matches_reference(problem):
+    """GPT-OSS's layout: gate and up columns alternate, and a bias is added to
+    the rounded product before the activation (transformers' proj + bias)."""
+    dtype, transpose, m, k, i, sizes, act, cfg, use_bias, seed = problem
+    rng = np.random.default_rng(seed)
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs = _rand(rng, (m, k), dtype)
+    w_kn = jnp.asarray(rng.standard_normal((len(sizes), k, 2 * i)) / np.sqrt(k), dtype)
+    rhs = jnp.swapaxes(w_kn, 1, 2) if transpose else w_kn
+    bias = jnp.asarray(rng.standard_normal((len(sizes), 2 * i)), dtype) if use_bias else None
+    out = gmm(
+        lhs,
+        rhs,
+        gs,
+        transpose_rhs=transpose,
+        glu=(act, 1.702, 7.0),
+        glu_interleaved=True,
+        bias=bias,
+        config=cfg,
+        interpret=True,
+    )
+    assert out.dtype == dtype and out.shape == (m, i)
+    _check_glu(out, lhs, w_kn, gs, act, i, interleaved=True, bias=bias)
+    assert not np.asarray(out[sum(sizes) :], np.float32).any()
+
+
+def test_gmm_interleaved_glu_keeps_a_non_finite_product_in_its_row():
+    """The deinterleave moves values (a lane gather), it computes nothing: a
+    row whose product overflows keeps its non-finite values to itself, and
+    every other row is the same bit for bit."""
+    rng = np.random.default_rng(7)
+    gs = jnp.asarray([16], jnp.int32)
+    lhs = _rand(rng, (16, 128), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1, 128, 256)) / np.sqrt(128), jnp.bfloat16)
+    kw = dict(glu=("silu", 1.702, 7.0), glu_interleaved=True, interpret=True)
+    out = np.asarray(gmm(lhs, w, gs, **kw), np.float32)
+    bad = np.asarray(gmm(lhs.at[5].set(jnp.inf), w, gs, **kw), np.float32)
+    assert not np.isfinite(bad[5]).all()
+    rest = np.arange(16) != 5
+    np.testing.assert_array_equal(bad[rest], out[rest])
+
+
 def test_gmm_glu_refuses_what_it_cannot_fuse():
     lhs = jnp.zeros((8, 128), jnp.bfloat16)
     gs = jnp.asarray([8], jnp.int32)
@@ -830,6 +992,27 @@ def test_gmm_glu_refuses_what_it_cannot_fuse():
             scale_axis="n",
             glu=glu,
         )
+    # Interleaved: I = 40 would leave a product tile split between pieces.
+    with pytest.raises(ValueError, match="interleaved gate/up columns"):
+        gmm(lhs, jnp.zeros((1, 128, 80), jnp.bfloat16), gs, glu=glu, glu_interleaved=True)
+    w = jnp.zeros((1, 128, 256), jnp.bfloat16)
+    # With glu a bias goes with the interleaved layout only; one value a
+    # column of each expert; unquantized weights.
+    with pytest.raises(ValueError, match=r"bias needs .* \[1, 256\]"):
+        gmm(lhs, w, gs, glu=glu, bias=jnp.zeros((1, 256), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"bias needs .* \[1, 256\]"):
+        gmm(lhs, w, gs, glu=glu, glu_interleaved=True, bias=jnp.zeros((1, 128)))
+    with pytest.raises(ValueError, match=r"bias needs unquantized rhs"):
+        gmm(
+            lhs,
+            jnp.zeros((1, 128, 256), jnp.int8),
+            gs,
+            rhs_scale=jnp.ones((1, 256), jnp.float32),
+            scale_axis="n",
+            bias=jnp.zeros((1, 256)),
+        )
+    with pytest.raises(ValueError, match="goes with glu"):
+        gmm(lhs, w, gs, glu_interleaved=True)
 
 
 # -- rows gathered in the kernel (gmm's gather=) --------------------------------

@@ -251,12 +251,15 @@ def _pallas_widths(closed):
     return found
 
 
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=["qwen_mixtral", "gemma_like"])
+@pytest.mark.parametrize(
+    "layout", [LAYOUTS[0], LAYOUTS[3], LAYOUTS[1]], ids=["qwen_mixtral", "gemma_like", "gpt_oss"]
+)
 def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
     """Without a gradient the gate/up gmm writes act(gate) * up ([S, I]); with
     one it writes the projection ([S, 2I]) the backward needs. Both match
     transformers' layer with the bf16 test's bound (300 tokens: two launches,
-    past the one-launch decode kernel's limit)."""
+    past the one-launch decode kernel's limit). GPT-OSS's gate and up columns
+    alternate and carry a bias, which its kernel adds before the activation."""
     e, h, i, t, k = 8, 384, 128, 300, 2  # h apart from i and 2i: the launches tell apart
     args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=11)
     f = lambda x, *rest: moe_experts(x, *rest, **_kw(layout, e))  # noqa: E731

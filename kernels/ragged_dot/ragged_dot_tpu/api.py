@@ -373,9 +373,24 @@ def _moe_program(
             interpret=interpret,
             glu=(activation, alpha, limit),
             gather=gather,
+            glu_interleaved=not is_concatenated,
+            bias=gate_up_bias,
         )
 
     down_config = _configs(configs["down"])[0]  # the forward's
+
+    def matmul_down(x, w, group_sizes):
+        w, transpose_rhs, _ = _hbm_view(w, not is_transposed)
+        return gmm(
+            x,
+            w,
+            group_sizes,
+            group_offset=zero,
+            transpose_rhs=transpose_rhs,
+            config=down_config,
+            interpret=interpret,
+            bias=down_bias,
+        )
 
     def down_combine(x, w, group_sizes, slots, weights):
         w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
@@ -407,7 +422,15 @@ def _moe_program(
         inference
         and not isinstance(config, tiling.MoeConfig)
         and _glu_fusable(
-            gate_up, gate_up_bias, gate_up_scale, has_gate, is_transposed, is_concatenated
+            hidden,
+            top_k_index,
+            gate_up,
+            gate_up_bias,
+            gate_up_scale,
+            has_gate,
+            is_transposed,
+            is_concatenated,
+            config,
         )
     )
     return moe.experts_program(
@@ -420,6 +443,16 @@ def _moe_program(
         down_bias,
         matmul=matmul,
         matmul_glu=matmul_glu if fused and not quantize_activations else None,
+        # The down bias in the down gmm's epilogue: XLA gathered each row's
+        # bias into an [S, H] copy and added it in a pass of its own (8,192
+        # GPT-OSS tokens on v6e: 210 + 409 us by their schedules).
+        matmul_down=matmul_down
+        if inference
+        and down_bias is not None
+        and down_scale is None
+        and not tiling.is_quantized(down.dtype)
+        and not quantize_activations
+        else None,
         down_combine=down_combine
         if inference
         and not quantize_activations
@@ -485,17 +518,41 @@ def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool
     return cfg.block_n == n_out
 
 
-def _glu_fusable(gate_up, bias, scale, has_gate, is_transposed, is_concatenated) -> bool:
-    """Whether the gate/up gmm can apply act(gate) * up itself: concatenated
-    halves, no bias between the projection and the activation, unquantized
-    weights (the rows reach the gmm in their dtype), halves on a tile boundary
-    of the weights as XLA stores them (tiling.glu_fusable)."""
-    if not (has_gate and is_concatenated) or bias is not None or scale is not None:
+def _glu_fusable(
+    hidden, top_k_index, gate_up, bias, scale, has_gate, is_transposed, is_concatenated, config
+) -> bool:
+    """Whether the gate/up gmm can apply act(gate) * up itself (and the
+    bias before it): unquantized weights (the rows reach the gmm in their
+    dtype); concatenated halves on a tile boundary of the weights as XLA
+    stores them, without a bias, or interleaved columns (GPT-OSS) with or
+    without one (tiling.glu_fusable); and a block that fits VMEM (GPT-OSS's
+    2,880 columns admit only whole-expert slabs, 33 MB of them, which tpu7x's
+    VMEM cannot hold two of: it keeps the unfused product there)."""
+    if not has_gate or scale is not None or (is_concatenated and bias is not None):
         return False
     w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
     n = w.shape[1] if transpose_rhs else w.shape[2]
     sub = tiling.sublane(gate_up.dtype)
-    return n % 2 == 0 and tiling.glu_fusable(n // 2, transpose_rhs, gate_up.dtype, sub)
+    interleaved = not is_concatenated
+    if n % 2 or not tiling.glu_fusable(n // 2, transpose_rhs, gate_up.dtype, sub, interleaved):
+        return False
+    try:
+        resolve_config(
+            config,
+            top_k_index.shape[0] * top_k_index.shape[1],
+            hidden.shape[1],
+            n // 2,
+            w.shape[0],
+            w.dtype,  # the rows reach the gmm in the weights' dtype, as does its output
+            w.dtype,
+            w.dtype,
+            glu=True,
+            interleaved=interleaved,
+            bias=bias is not None,
+        )
+    except ValueError:  # no block fits VMEM
+        return False
+    return True
 
 
 def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, config) -> bool:

@@ -124,7 +124,19 @@ from . import kernel_pack, moe, mxfp4, pairs, tiling, w8a8
 
 
 def resolve_config(
-    config, m, k, n, g, lhs_dtype, rhs_dtype, out_dtype, glu=False, packed=False, gather=False
+    config,
+    m,
+    k,
+    n,
+    g,
+    lhs_dtype,
+    rhs_dtype,
+    out_dtype,
+    glu=False,
+    packed=False,
+    gather=False,
+    interleaved=False,
+    bias=False,
 ):
     if isinstance(config, tiling.GmmConfig):
         return config
@@ -141,6 +153,8 @@ def resolve_config(
             glu=glu,
             packed=packed,
             gather=gather,
+            interleaved=interleaved,
+            bias=bias,
         )
     raise ValueError(f"config: expected None, a generation name or a GmmConfig, got {config!r}")
 
@@ -302,6 +316,28 @@ def pass_sizes(r_lo: int, r_hi: int, *, sub: int, chunk: int, merged=()) -> list
     return sizes
 
 
+def deinterleave(y, parity):
+    """Columns parity, parity + 2, parity + 4, ... of y [R, 2W] f32, 2W a
+    multiple of 128: [R, W]. Each 128-lane tile of the result gathers the
+    even (or odd) lanes of two tiles of y within their vregs (an XLU lane
+    gather; Mosaic has no strided lane slice), so every value is moved, not
+    computed: exact, non-finite values included, and each stays in its row."""
+    r, n2 = y.shape
+    lane = lax.broadcasted_iota(jnp.int32, (r, 128), 1)
+    src = jnp.bitwise_and(2 * lane + parity, 127)
+
+    def take(t0):
+        return jnp.take_along_axis(y[:, t0 : t0 + 128], src, axis=1, mode="promise_in_bounds")
+
+    parts = []
+    for t0 in range(0, n2, 256):
+        if t0 + 128 < n2:
+            parts.append(jnp.where(lane < 64, take(t0), take(t0 + 128)))
+        else:  # a last lone tile: its 64 values
+            parts.append(take(t0)[:, :64])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
 def for_each_piece(n_pieces, piece, unroll=1):
     """Runs piece(c, carry) over the column pieces of a slab, `unroll` pieces
     to a loop body (the scheduler overlaps one piece's epilogue with the next
@@ -341,14 +377,17 @@ def _gmm_kernel(
     merged_tails=(),
     gather_rw=0,
     tiles=1,
+    interleaved=False,
+    has_bias=False,
 ):
     if gather_rw:
         ids_first, ids_next, *rest = rest
+    scale_hbm = bias_hbm = None
     if scale_axis:
-        scale_hbm, out_ref, *rest = rest
-    else:
-        scale_hbm = None
-        out_ref, *rest = rest
+        scale_hbm, *rest = rest
+    if has_bias:
+        bias_hbm, *rest = rest
+    out_ref, *rest = rest
     if trace:
         trace_ref, *rest = rest
     else:
@@ -358,6 +397,8 @@ def _gmm_kernel(
         sbuf, ssem, *rest = rest
     if scale_axis == "mx":
         wdec, *rest = rest  # a slab piece decoded, [K, piece]
+    if has_bias:
+        bbuf, *rest = rest  # a slot's bias row, [1, 2 * block_n] f32
     if gather_rw:
         xw, xsem = rest
         lhs_hbm = lhs_ref
@@ -440,9 +481,31 @@ def _gmm_kernel(
         # Block scales land in SMEM as a flat [L] row; channel scales in VMEM as [1, S].
         return scale_hbm.at[j] if scale_axis == "block" else scale_hbm.at[pl.ds(j, 1)]
 
+    slab_n = 2 * block_n if glu else block_n  # rhs columns a stream item holds
+
     def copies(n_q, a, slot):
-        """The DMAs of stream item (slab n_q, active group a): weights, then scales."""
-        j = active_ref[a]
+        """The DMAs of stream item (slab n_q, active group a): weights, then
+        scales or the bias (its slab's columns of the group's row)."""
+        dmas = weight_copies(n_q, active_ref[a], slot)
+        if has_bias:
+            j = active_ref[a]
+            if n_blocks == 1:
+                b_src = bias_hbm.at[pl.ds(j, 1)]
+            else:
+                b_src = bias_hbm.at[pl.ds(j, 1), pl.ds(pl.multiple_of(n_q * slab_n, 128), slab_n)]
+            dmas.append(pltpu.make_async_copy(b_src, bbuf.at[slot], sem.at[slot]))
+        return dmas
+
+    def weight_copies(n_q, j, slot):
+        if glu and interleaved:
+            # Gate and up columns alternate: the slab's output columns are one
+            # contiguous run of twice as many rhs columns, one DMA.
+            if n_blocks == 1:
+                src = rhs_hbm.at[j]
+            else:
+                cols = pl.ds(pl.multiple_of(n_q * slab_n, 256), slab_n)
+                src = rhs_hbm.at[j, cols, :] if transpose_rhs else rhs_hbm.at[j, :, cols]
+            return [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
         if glu:
             # Piece by piece, the gate columns and then the up columns of the
             # same output columns, side by side: one MXU pass of 2 x piece
@@ -670,7 +733,15 @@ def _gmm_kernel(
             ridx = r0 + lax.broadcasted_iota(jnp.int32, (size, 1), 0)
             return jnp.logical_and(ridx >= jnp.maximum(r_lo, fresh), ridx < r_hi)
 
+        def add_bias(y, c0, width):
+            """The group's bias on slab columns [c0, c0 + width) added to the
+            product rounded to the output dtype, rounded again (proj + bias)."""
+            y = y.astype(out_ref.dtype).astype(jnp.float32)
+            return (y + bbuf[slot, :, pl.ds(c0, width)]).astype(out_ref.dtype)
+
         def store(r0, size, c0, width, y, keep):
+            if has_bias and not glu:  # glu adds it before the activation
+                y = add_bias(y, c0, width)
             if packed:
                 # pairs.pack_rows: each 256-column group of the piece is one
                 # row of words a token, every rw-th row of the block.
@@ -731,12 +802,18 @@ def _gmm_kernel(
             def columns(c0, width):
                 if glu:
                     # act(gate) * up from the two products, each rounded to the
-                    # output dtype first, as the unfused program rounds its projection.
+                    # output dtype first (and again after its bias), as the
+                    # unfused program rounds its projection.
                     y = slab_dot(x, 2 * c0, 2 * width).astype(out_ref.dtype)
+                    if has_bias:
+                        y = add_bias(y, 2 * c0, 2 * width)
+                    if interleaved:
+                        y = y.astype(jnp.float32)
+                        gate, up = deinterleave(y, 0), deinterleave(y, 1)
+                    else:
+                        gate, up = y[:, :width], y[:, width:]
                     activation, alpha, limit = glu
-                    y = moe.glu(
-                        y[:, :width], y[:, width:], activation=activation, alpha=alpha, limit=limit
-                    )
+                    y = moe.glu(gate, up, activation=activation, alpha=alpha, limit=limit)
                     store(r0, size, c0, width, y, keep)
                     return
                 if scale_axis == "block":
@@ -829,6 +906,7 @@ def _gmm_kernel(
         "quantize_lhs",
         "glu",
         "packed",
+        "glu_interleaved",
     ),
 )
 def gmm(
@@ -848,6 +926,8 @@ def gmm(
     glu=None,
     packed=False,
     gather=None,
+    glu_interleaved=False,
+    bias=None,
 ):
     """Grouped matmul with ``jax.lax.ragged_dot`` semantics.
 
@@ -881,6 +961,14 @@ def gmm(
         layout; tiling.glu_fusable says which); the output is
         act(gate) * up, [M, N/2], each product rounded to the output dtype
         before the activation (in f32). Unquantized rhs only.
+      glu_interleaved: with glu, rhs's N columns alternate gate, up, gate,
+        up, ... (GPT-OSS's layout) instead of two halves; N/2 a multiple of
+        64 (tiling.glu_fusable).
+      bias: None or [G_local, N] (N rhs's output columns, gate and up
+        interleaved with glu): each group's row added to its rows' products
+        rounded to the output dtype, in that dtype (rounded again), before
+        any activation: transformers' ``proj + bias``. Not with glu's halves
+        nor with quantized rhs.
       packed: the bf16 output written as pairs.pack_rows lays it out, uint32
         [M * pairs.row_words(N), 128] (N the output's columns): each row's words are
         contiguous, for the combine kernel to fetch by DMA. Needs a bf16
@@ -946,15 +1034,34 @@ def gmm(
         )
     num_groups = group_sizes.shape[0]
     half = n // 2
+    if glu is None and glu_interleaved:
+        raise ValueError("gmm: glu_interleaved goes with glu, which is None")
+    sub_in = tiling.sublane(lhs.dtype, w_dtype)
     if glu is not None and (
         n % 2
         or quantize_lhs
-        or not tiling.glu_fusable(half, transpose_rhs, w_dtype, tiling.sublane(lhs.dtype, w_dtype))
+        or not tiling.glu_fusable(half, transpose_rhs, w_dtype, sub_in, glu_interleaved)
     ):
+        layout = (
+            "interleaved gate/up columns, N/2 a multiple of 64"
+            if glu_interleaved
+            else ("gate/up halves on a tile boundary")
+        )
         raise ValueError(
-            f"gmm: glu needs unquantized rhs with gate/up halves on a tile boundary"
+            f"gmm: glu needs unquantized rhs with {layout}"
             f" (tiling.glu_fusable); got rhs {w_dtype.name} {tuple(rhs.shape)},"
             f" transpose_rhs={transpose_rhs}, quantize_lhs={quantize_lhs}"
+        )
+    if bias is not None and (
+        (glu is not None and not glu_interleaved)
+        or tiling.is_quantized(w_dtype)
+        or tuple(bias.shape) != (num_local, n)
+        or not jnp.issubdtype(bias.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"gmm: bias needs unquantized rhs (with glu, interleaved gate/up columns) and a"
+            f" float [G_local, N] = [{num_local}, {n}] array; got rhs {w_dtype.name}, glu"
+            f" {'interleaved' if glu_interleaved else glu}, bias {bias.dtype} {tuple(bias.shape)}"
         )
     n_out = half if glu is not None else n
     quantized = tiling.is_quantized(rhs.dtype)
@@ -1011,6 +1118,8 @@ def gmm(
         glu is not None,
         packed,
         gather is not None,
+        glu_interleaved,
+        bias is not None,
     )
     sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n_out, sub)
@@ -1051,6 +1160,8 @@ def gmm(
         pl.BlockSpec(memory_space=pl.ANY),
     ]
     if quantized:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    if bias is not None:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     if gather is not None:
         in_specs += [
@@ -1097,6 +1208,8 @@ def gmm(
             pltpu.VMEM((buffers, 1, s_width), jnp.float32),
             pltpu.SemaphoreType.DMA((buffers,)),
         ]
+    if bias is not None:
+        scratch.append(pltpu.VMEM((buffers, 1, slab_n), jnp.float32))
     if manual_lhs:
         scratch += [pltpu.VMEM((bm, k), lhs.dtype), pltpu.SemaphoreType.DMA((1,))]
     if gather is not None:
@@ -1130,6 +1243,8 @@ def gmm(
         merged_tails=cfg.merged_tails,
         gather_rw=gather_rw,
         tiles=tiles,
+        interleaved=glu_interleaved,
+        has_bias=bias is not None,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(
@@ -1140,6 +1255,7 @@ def gmm(
             + m * n_out * isz(out_dtype)
             + num_local * rhs_k * n * isz(rhs.dtype) // (2 if mx else 1)
             + (rhs_scale.size * isz(rhs_scale.dtype) if quantized else 0)
+            + (bias.size * 4 if bias is not None else 0)
         ),
     )
     call = pl.pallas_call(
@@ -1172,6 +1288,8 @@ def gmm(
                     packed=packed,
                     merged=cfg.merged_tails,
                     gather=gather is not None,
+                    interleaved=glu_interleaved,
+                    bias=bias is not None,
                 ),
             ),
         ),
@@ -1179,13 +1297,15 @@ def gmm(
         cost_estimate=cost,
         name="ragged_dot_gmm",
     )
+    # The bias in the projection's dtype (as transformers adds it), carried as f32.
+    extra = () if bias is None else (bias.astype(out_dtype).astype(jnp.float32),)
     if gather is not None:
         ids = jnp.clip(gather.astype(jnp.int32), 0, lhs.shape[0] - 1)
         ids = jnp.pad(ids, (0, tiles * bm - m)).reshape(tiles, 1, bm)
         words = kernel_pack.pack_rows(lhs, interpret=interpret)
-        res = call(ends, goff, words, rhs, ids, ids)
+        res = call(ends, goff, words, rhs, ids, ids, *extra)
     else:
-        res = call(ends, goff, lhs, rhs, *((rhs_scale,) if quantized else ()))
+        res = call(ends, goff, lhs, rhs, *((rhs_scale,) if quantized else ()), *extra)
     return (res[0], res[1]) if _trace else res[0]
 
 

@@ -45,8 +45,9 @@ Why it looks like this
   gate/up gmm computes act(gate) * up in its epilogue and writes [S, I]: one
   XLA pass over [S, 2I] and [S, I] fewer, and half the gmm's output bytes
   (8,192 Qwen3 tokens on v6e: 214 us of activation pass gone, the gate/up
-  launch 903 -> 835 us by its schedule). Training keeps the projection (the
-  backward differentiates the activation from it).
+  launch 903 -> 835 us by its schedule). GPT-OSS's interleaved gate/up
+  columns and bias too (kernel_gmm.deinterleave). Training keeps the
+  projection (the backward differentiates the activation from it).
 * Inference lets that gmm gather its own rows (``glu_gathers``,
   kernel_gmm's ``gather``): XLA's [T * k, H] gathered copy was written and
   read again, 537 MB at 8,192 Qwen3 tokens; in the one-hot range it takes
@@ -123,12 +124,13 @@ def experts_program(
     matmul_glu=None,
     down_combine=None,
     glu_gathers=False,
+    matmul_down=None,
 ):
     """routing: "auto" (tiling.route_by_matmul decides) or "gather" (always
     gathers: the reference's choice). matmul_glu: None, or (x, gate_up,
-    group_sizes) -> act(gate) * up in `dtype` with the activation applied in
-    the matmul's epilogue (the caller has checked the layer allows it: gate
-    and up concatenated, no gate/up bias); not differentiated. down_combine:
+    group_sizes) -> act(gate + its bias) * (up + its bias) in `dtype`, the
+    bias and the activation applied in the matmul's epilogue (the caller has
+    checked the layer's gate/up layout and bias allow it); not differentiated. down_combine:
     None, or (activated, down, group_sizes, slots, weights) -> [T, H] in
     hidden's dtype, the down projection and the combine as kernels where the
     layer gathers (slots [T, k]: each token's rows in sorted order; weights
@@ -137,7 +139,10 @@ def experts_program(
     hidden states and the rows' token ids (gather=) and fetches each row
     itself, in place of a [T * k, H] copy made first (XLA's gather, or in
     the one-hot range the dispatch matmul); the caller has checked
-    matmul_glu can: bf16 hidden states, H a multiple of 256."""
+    matmul_glu can: bf16 hidden states, H a multiple of 256. matmul_down:
+    None, or (activated, down, group_sizes) -> [S, H] in `dtype` with the
+    down bias added in the matmul's epilogue, where down_combine is None;
+    not differentiated."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     # Projections come out in the weights' dtype, as in transformers; quantized
@@ -207,9 +212,12 @@ def experts_program(
         # products either (512 Qwen3 tokens: v6e 964 -> 943 us, tpu7x 478 -> 464).
         res = down_combine(activated, down, group_sizes, inv.reshape(t, k), w.reshape(t, k))
     else:
-        out = matmul(activated, down, group_sizes, "down")
-        if down_bias is not None:
-            out = out + down_bias[ids_clamped].astype(out.dtype)
+        if matmul_down is not None:
+            out = matmul_down(activated, down, group_sizes)
+        else:
+            out = matmul(activated, down, group_sizes, "down")
+            if down_bias is not None:
+                out = out + down_bias[ids_clamped].astype(out.dtype)
         if not by_matmul:
             return _combine_by_gather(out, inv, valid, w, t, k, h, hidden.dtype)
         res = combine_by_matmul(out, tok_sorted, w_sorted, key_sorted < num_experts, t)

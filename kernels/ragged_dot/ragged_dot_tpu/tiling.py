@@ -443,15 +443,24 @@ def pass_rows(chunk: int, sub: int, merged=()) -> int:
     return rows + (merged[-1] * sub if merged else 0)
 
 
-def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int) -> bool:
+def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int, interleaved: bool = False) -> bool:
     """Whether gmm can apply act(gate) * up in its epilogue (``glu``) for
-    gate/up halves of `inter` columns each: unquantized weights, and the up
-    half starting on a tile boundary of the slab ([K, 2I]: a lane tile of 128;
-    transposed [2I, K]: a sublane tile). Gemma 4's I = 704 qualifies only
-    transposed (its torch layout)."""
+    `inter` gate and `inter` up columns: unquantized weights, and
+    * halves ([gate | up]): the up half starting on a tile boundary of the
+      slab ([K, 2I]: a lane tile of 128; transposed [2I, K]: a sublane tile).
+      Gemma 4's I = 704 qualifies only transposed (its torch layout);
+    * interleaved (GPT-OSS: gate, up, gate, up, ...): I a multiple of 64, so
+      every piece's product is whole 128-lane tiles (its tail included: I =
+      2880 ends in 64 output columns, 128 product lanes), which the epilogue
+      deinterleaves a tile at a time (kernel_gmm.deinterleave)."""
     if is_quantized(w_dtype) or jnp.dtype(w_dtype) not in SUPPORTED_DTYPES:
         return False
+    if interleaved:
+        return inter % GLU_INTERLEAVED_MULTIPLE == 0
     return inter % (sub if transposed else 128) == 0
+
+
+GLU_INTERLEAVED_MULTIPLE = 64
 
 
 def gmm_vmem_bytes(
@@ -469,6 +478,8 @@ def gmm_vmem_bytes(
     packed=False,
     merged=(),
     gather=False,
+    interleaved=False,
+    bias=False,
 ) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
 
@@ -482,7 +493,10 @@ def gmm_vmem_bytes(
     a chunk of junk rows in place of the lhs blocks. (Each pass unpacks its
     rows a 128-lane group at a time into the bf16 rows counted below; Qwen3's
     tpu7x gate/up in 2,048-row tiles compiles at 44 MiB and not at 42 with
-    the gather, 42 and not 41 without: by compiling it at each limit.)"""
+    the gather, 42 and not 41 without: by compiling it at each limit.)
+    With glu, `interleaved`: each piece's gate and up deinterleaved, two more
+    f32 temporaries of a piece; `bias`: an f32 [1, 2bn] bias row a weight
+    slot, padded to 8 sublanes."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     halves = 2 if glu else 1
     tiles = -(-m // bm)
@@ -504,6 +518,8 @@ def gmm_vmem_bytes(
         need += buffers * weight_rows(k, w_dtype) * _lane(halves * bn) * wb
         if is_quantized(w_dtype):
             need += buffers * 8 * _lane(max(k, bn)) * 4
+    if bias:
+        need += buffers * 8 * _lane(halves * bn) * 4
     # Row passes: the lhs rows (cast), the f32 product(s), the merge, for each
     # pass shape (Mosaic gives each its own stack temporaries).
     rows = pass_rows(chunk, sublane(in_dtype, w_dtype, out_dtype), merged)
@@ -513,7 +529,7 @@ def gmm_vmem_bytes(
     need += rows * kp * (4 if is_quantized(w_dtype) else ib)
     p, _, tail = gmm_pieces(bn, GLU_PIECE if glu else widest_piece(w_dtype))
     for pp in (_lane(p), _lane(tail) if tail else 0):
-        need += (2 * halves + 1) * rows * pp * 4 + rows * pp * ob
+        need += (2 * halves + 1 + 2 * interleaved) * rows * pp * 4 + rows * pp * ob
         if mx:  # the decode's temporaries and the decoded piece kept in VMEM
             need += (MXFP4_TEMP_BYTES + ib) * round_up(k, 32) * pp
         elif is_quantized(w_dtype):
@@ -546,13 +562,16 @@ def gmm_config(
     glu: bool = False,
     packed: bool = False,
     gather: bool = False,
+    interleaved: bool = False,
+    bias: bool = False,
 ) -> GmmConfig:
     """Picks gmm blocks for lhs [m, k] @ rhs[g] [k, n] on `generation`.
     With `glu`, n is the output's columns (rhs has 2n: gate and up halves)
     and block_n a block of them: every slab carries gate and up blocks.
     `packed`: the output is written as packed rows (gmm's packed=True).
     `gather`: lhs rows gathered in the kernel (gmm's gather=), which needs
-    the whole of n in one block (each row tile is then fetched once)."""
+    the whole of n in one block (each row tile is then fetched once).
+    `interleaved`, `bias`: glu's layout and bias (gmm_vmem_bytes)."""
     gen = get_generation(generation)
     dtype = jnp.dtype(dtype)
     w_dtype = jnp.dtype(w_dtype or dtype)
@@ -588,6 +607,8 @@ def gmm_config(
                     packed,
                     merged,
                     gather,
+                    interleaved,
+                    bias,
                 )
                 if need <= gen.vmem_budget:
                     break
