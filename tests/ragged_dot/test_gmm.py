@@ -773,6 +773,12 @@ def test_gmm_bias_matches_reference(problem):
     mag = ragged_dot_reference(_abs32(lhs), _abs32(w_kn), gs) + jnp.abs(b)
     assert_close(out, ref, magnitude=mag, roundings=2, what="gmm + bias")
     assert not np.asarray(out[sum(sizes) :], np.float32).any()
+    # Bit for bit the unfused program's rounding: the product rounded to the
+    # output dtype, then `+ bias` in that dtype (transformers' proj + bias).
+    plain = gmm(lhs, rhs, gs, transpose_rhs=transpose, config=cfg, interpret=True)
+    unfused = (_f32(plain) + _group_rows(_f32(bias), sizes, m)).astype(dtype)
+    rows = slice(0, sum(sizes))
+    np.testing.assert_array_equal(np.asarray(out[rows]), np.asarray(unfused[rows]))
 
 
 # -- gmm(glu=...): act(gate) * up in the epilogue ---------------------------------

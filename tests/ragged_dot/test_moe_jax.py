@@ -267,9 +267,47 @@ def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
     training = _pallas_widths(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args))
     assert (t * k, i) in inference and (t * k, 2 * i) not in inference
     assert (t * k, 2 * i) in training and (t * k, i) not in training
-    for what, out in (("inference", f(*args)), ("training", jax.vjp(f, *args)[0])):
+    outs = {"inference": f(*args), "training": jax.vjp(f, *args)[0]}
+    for what, out in outs.items():
         assert out.dtype == jnp.bfloat16
         assert_close(out, ref, dtype=jnp.bfloat16, magnitude=mag, roundings=6, what=what)
+    # The epilogues round where the unfused program does (each product, then
+    # its bias, then the activation), so with the same ops on the CPU
+    # (interpret mode) the two layers agree bit for bit.
+    np.testing.assert_array_equal(
+        np.asarray(outs["inference"], np.float32), np.asarray(outs["training"], np.float32)
+    )
+
+
+@pytest.mark.parametrize("generation, fused", [("v5e", True), ("v6e", True), ("tpu7x", False)])
+def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(generation, fused):
+    """GPT-OSS-20B at 8,192 tokens (traced, not run): I = 2,880 columns admit
+    no block but the whole expert, [2880, 5760] bf16 = 33 MB a weight slot.
+    Two fit v5e's and v6e's VMEM, not tpu7x's: there the gate/up gmm writes
+    the projection and XLA applies the bias and activation. The down gmm adds
+    its bias everywhere (no [S, H] bias rows gathered)."""
+    e, k, h, i, t = 32, 4, 2880, 2880, 8192
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    args = (
+        sds((t, h), bf),
+        sds((t, k), jnp.int32),
+        sds((t, k), jnp.float32),
+        sds((e, h, 2 * i), bf),
+        sds((e, i, h), bf),
+        sds((e, 2 * i), bf),
+        sds((e, h), bf),
+    )
+    kw = _kw(LAYOUTS[1], e, config=generation)
+    assert kw["is_concatenated"] is False and kw["activation"] == "gpt_oss"
+    closed = jax.make_jaxpr(lambda *a: moe_experts(*a, **kw))(*args)
+    # The gate/up gmm's [S, I] or [S, 2I] and the down gmm's [S, H] (I = H).
+    widths = _pallas_widths(closed)
+    assert widths.count((t * k, i)) == 1 + fused and ((t * k, 2 * i) in widths) != fused
+    # [S, H] gathers: the dispatch's rows and the combine's (H = 2880 is not
+    # packable), no rows of the down bias; the gate/up bias's only unfused.
+    assert str(closed).count(f"bf16[{t * k},{h}] = gather") == 2
+    assert str(closed).count(f"bf16[{t * k},{2 * i}] = gather") == (0 if fused else 1)
 
 
 @pytest.mark.parametrize(
