@@ -1767,6 +1767,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: inference adds the down bias again after the down gmm added it",
     ),
     Mutant(
+        "gmm-fp4-glu-decodes-output-columns",
+        GMM,
+        "            slab_c0, slab_w = (2 * c0, 2 * width) if glu else (c0, width)\n",
+        "            slab_c0, slab_w = (c0, 2 * width) if glu else (c0, width)\n",
+        (f"{T_MX}::test_mxfp4_interleaved_glu_is_the_unfused_program_bit_for_bit",),
+        "gmm FP4 glu: a group of many rows decodes the slab from its output column, not"
+        " its product column",
+    ),
+    Mutant(
+        "moe-fp4-gate-up-unfused",
+        RD,
+        "    if scale is not None and not (fp4 and not is_concatenated):\n",
+        "    if scale is not None:\n",
+        (f"{T_MX}::test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels",),
+        "moe: GPT-OSS's FP4 checkpoints keep XLA's bias and activation at inference",
+    ),
+    Mutant(
         "moe-combine-off",
         MOE,
         "    if down_combine is not None:\n",

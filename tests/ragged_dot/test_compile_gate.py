@@ -523,13 +523,16 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
 # GPT-OSS's own experts layer at prefill, inference: gate and up columns
 # interleaved, biases on both projections, its clamped GLU. The gate/up gmm
 # deinterleaves and adds its bias in the epilogue where its whole-expert slabs
-# fit VMEM (v5e, v6e; tpu7x keeps XLA's activation), the down gmm adds its
-# bias on every generation. (kind, tokens, generation)
-GPT_OSS_LAYER_POINTS = [("gpt_oss_layer", 8192, g) for g in ("v5e", "v6e", "tpu7x")]
+# fit VMEM (bf16 on v5e and v6e, where tpu7x keeps XLA's activation; MXFP4
+# everywhere), the down gmm adds its bias on every generation.
+# (kind, tokens, weights, generation)
+GPT_OSS_LAYER_POINTS = [("gpt_oss_layer", 8192, "bf16", g) for g in ("v5e", "v6e", "tpu7x")] + [
+    ("gpt_oss_layer", 8192, "mxfp4", g) for g in ("v6e", "tpu7x")
+]
 
 
 def _gpt_oss_layer_program(point) -> GateProgram:
-    tokens, generation = point
+    tokens, weights, generation = point
     e, top_k, h, i = MODELS["gpt_oss_20b"]
     kw = dict(
         num_experts=e,
@@ -539,18 +542,15 @@ def _gpt_oss_layer_program(point) -> GateProgram:
         config=generation,
     )
 
-    def fn(hid, idx, w, gu, dn, gu_b, dn_b):
-        return moe_experts(hid, idx, w, gu, dn, gu_b, dn_b, **kw)
+    def fn(hid, idx, w, gu, dn, gu_b, dn_b, *scales):
+        return moe_experts(hid, idx, w, gu, dn, gu_b, dn_b, *scales, **kw)
 
-    args = [
-        spec((tokens, h)),
-        spec((tokens, top_k), jnp.int32),
-        spec((tokens, top_k)),
-        spec((e, h, 2 * i)),
-        spec((e, i, h)),
-        spec((e, 2 * i)),
-        spec((e, h)),
-    ]
+    args = [spec((tokens, h)), spec((tokens, top_k), jnp.int32), spec((tokens, top_k))]
+    if weights == "mxfp4":
+        (gu, gu_s), (dn, dn_s) = mxfp4.abstract((e, h, 2 * i)), mxfp4.abstract((e, i, h))
+        args += [gu, dn, spec((e, 2 * i), jnp.float32), spec((e, h), jnp.float32), gu_s, dn_s]
+    else:
+        args += [spec((e, h, 2 * i)), spec((e, i, h)), spec((e, 2 * i)), spec((e, h))]
     return GateProgram(fn, args, generation)
 
 

@@ -1003,20 +1003,11 @@ def test_gmm_glu_refuses_what_it_cannot_fuse():
         gmm(lhs, jnp.zeros((1, 128, 80), jnp.bfloat16), gs, glu=glu, glu_interleaved=True)
     w = jnp.zeros((1, 128, 256), jnp.bfloat16)
     # With glu a bias goes with the interleaved layout only; one value a
-    # column of each expert; unquantized weights.
+    # column of each expert.
     with pytest.raises(ValueError, match=r"bias needs .* \[1, 256\]"):
         gmm(lhs, w, gs, glu=glu, bias=jnp.zeros((1, 256), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"bias needs .* \[1, 256\]"):
         gmm(lhs, w, gs, glu=glu, glu_interleaved=True, bias=jnp.zeros((1, 128)))
-    with pytest.raises(ValueError, match=r"bias needs unquantized rhs"):
-        gmm(
-            lhs,
-            jnp.zeros((1, 128, 256), jnp.int8),
-            gs,
-            rhs_scale=jnp.ones((1, 256), jnp.float32),
-            scale_axis="n",
-            bias=jnp.zeros((1, 256)),
-        )
     with pytest.raises(ValueError, match="goes with glu"):
         gmm(lhs, w, gs, glu_interleaved=True)
 

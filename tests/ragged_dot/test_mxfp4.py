@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from ragged_dot_tpu import mxfp4
+from ragged_dot_tpu import moe, mxfp4, tiling
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
 from ragged_dot_tpu.reference import moe_experts_reference, ragged_dot_reference
@@ -139,6 +139,79 @@ def test_mxfp4_ragged_dot_and_d_lhs_match_dequantized_reference(problem):
     mag_out, mag_d = ref(jnp.abs(lhs.astype(jnp.float32)), jnp.abs(ct.astype(jnp.float32)), True)
     assert_close(out, want_out, magnitude=mag_out, dtype=lhs_dtype, roundings=0, what="out")
     assert_close(d_lhs, want_d, magnitude=mag_d, dtype=lhs_dtype, roundings=0, what="d_lhs")
+
+
+@st.composite
+def glu_problems(draw):
+    m = draw(st.sampled_from([12, 40, 64]))
+    k = draw(st.sampled_from([64, 160]))
+    i = draw(st.sampled_from([64, 128, 192]))  # multiples of 64 (tiling.glu_fusable)
+    sizes = group_sizes(draw, m, draw(st.integers(1, 3)))
+    block_n = draw(st.sampled_from([None] + [128] * (i % 128 == 0 and i > 128)))
+    return m, k, i, sizes, block_n, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+# GPT-OSS's layer in small: a group of more rows than
+# tiling.MXFP4_DECODE_ONCE_ROWS (each piece decoded once into VMEM for its
+# row passes) and a tail piece; 128-column blocks of a 256-column output.
+@example((300, 160, 192, [170, 130], None, True, 1))
+@example((40, 64, 256, [15, 0, 25], 128, True, 2))
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(glu_problems())
+def test_mxfp4_interleaved_glu_is_the_unfused_program_bit_for_bit(problem):
+    """GPT-OSS's checkpoints: FP4 weights with gate and up columns
+    interleaved and a bias. The fused epilogue (bias, deinterleave, GLU)
+    gives what the plain FP4 product plus XLA's activation gives, bit for
+    bit: the product is the same kernel's, and each later step rounds where
+    the unfused program does (the product's own accuracy is the plain FP4
+    tests')."""
+    m, k, i, sizes, block_n, bias, seed = problem
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    g = len(sizes)
+    packed, scales = mxfp4.quantize(rng.standard_normal((g, k, 2 * i)) * 0.1)
+    b = jnp.asarray(rng.standard_normal((g, 2 * i)) * 0.3, jnp.bfloat16) if bias else None
+    gs = jnp.asarray(sizes, jnp.int32)
+    cfg = None if block_n is None else tiling.GmmConfig(16, block_n, 16)
+    kw = dict(rhs_scale=scales, scale_axis="mx", bias=b, interpret=True)
+    glu = ("gpt_oss", 1.702, 7.0)
+    fused = gmm(lhs, packed, gs, glu=glu, glu_interleaved=True, config=cfg, **kw)
+    plain_cfg = None if cfg is None else tiling.GmmConfig(16, 2 * block_n, 16)
+    proj = gmm(lhs, packed, gs, config=plain_cfg, **kw)
+    want = moe.glu(proj[:, 0::2], proj[:, 1::2], activation=glu[0], alpha=glu[1], limit=glu[2])
+    rows = slice(0, sum(sizes))
+    assert fused.shape == (m, i) and fused.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(fused[rows], np.float32), np.asarray(want.astype(jnp.bfloat16)[rows], np.float32)
+    )
+    assert not np.asarray(fused[sum(sizes) :], np.float32).any()
+
+
+def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
+    """GPT-OSS's checkpoint layer without a gradient: the gate/up gmm writes
+    act(gate + b) * (up + b) ([S, I], not the [S, 2I] projection) and the
+    down gmm adds its bias; the result is the unfused (training) forward's,
+    bit for bit."""
+    rng = np.random.default_rng(9)
+    t, h, i, e, k = 12, 192, 128, 6, 2  # h apart from i and 2i: the launches tell apart
+    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    gu, gu_s = mxfp4.quantize(rng.standard_normal((e, h, 2 * i)) * 0.1)
+    dn, dn_s = mxfp4.quantize(rng.standard_normal((e, i, h)) * 0.1)
+    gu_b = jnp.asarray(rng.standard_normal((e, 2 * i)) * 0.3, jnp.float32)
+    dn_b = jnp.asarray(rng.standard_normal((e, h)) * 0.3, jnp.float32)
+    kw = dict(num_experts=e, is_transposed=True, is_concatenated=False, activation="gpt_oss")
+
+    def layer(x, w):
+        return moe_experts(x, ids, w, gu, dn, gu_b, dn_b, gu_s, dn_s, interpret=True, **kw)
+
+    text = str(jax.make_jaxpr(layer)(hidden, weights))
+    assert f"bf16[{t * k},{i}] = pallas_call" in text
+    assert f"bf16[{t * k},{2 * i}] = pallas_call" not in text
+    inference = np.asarray(layer(hidden, weights), np.float32)
+    training = np.asarray(jax.vjp(layer, hidden, weights)[0], np.float32)
+    np.testing.assert_array_equal(inference, training)
 
 
 @pytest.mark.parametrize(

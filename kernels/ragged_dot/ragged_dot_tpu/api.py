@@ -362,12 +362,15 @@ def _moe_program(
         )
 
     def matmul_glu(x, w, group_sizes, gather=None):
-        w, transpose_rhs, _ = _hbm_view(w, not is_transposed)
+        w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
+        scale, scale_axis = _kernel_scale(gate_up_scale, swapped, "n")  # FP4's, or none
         return gmm(
             x,
             w,
             group_sizes,
             group_offset=zero,
+            rhs_scale=scale,
+            scale_axis=scale_axis,
             transpose_rhs=transpose_rhs,
             config=config,
             interpret=interpret,
@@ -380,12 +383,15 @@ def _moe_program(
     down_config = _configs(configs["down"])[0]  # the forward's
 
     def matmul_down(x, w, group_sizes):
-        w, transpose_rhs, _ = _hbm_view(w, not is_transposed)
+        w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
+        scale, scale_axis = _kernel_scale(down_scale, swapped, "n")
         return gmm(
             x,
             w,
             group_sizes,
             group_offset=zero,
+            rhs_scale=scale,
+            scale_axis=scale_axis,
             transpose_rhs=transpose_rhs,
             config=down_config,
             interpret=interpret,
@@ -447,11 +453,7 @@ def _moe_program(
         # bias into an [S, H] copy and added it in a pass of its own (8,192
         # GPT-OSS tokens on v6e: 210 + 409 us by their schedules).
         matmul_down=matmul_down
-        if inference
-        and down_bias is not None
-        and down_scale is None
-        and not tiling.is_quantized(down.dtype)
-        and not quantize_activations
+        if inference and down_bias is not None and not quantize_activations
         else None,
         down_combine=down_combine
         if inference
@@ -523,18 +525,24 @@ def _glu_fusable(
 ) -> bool:
     """Whether the gate/up gmm can apply act(gate) * up itself (and the
     bias before it): unquantized weights (the rows reach the gmm in their
-    dtype); concatenated halves on a tile boundary of the weights as XLA
-    stores them, without a bias, or interleaved columns (GPT-OSS) with or
-    without one (tiling.glu_fusable); and a block that fits VMEM (GPT-OSS's
-    2,880 columns admit only whole-expert slabs, 33 MB of them, which tpu7x's
-    VMEM cannot hold two of: it keeps the unfused product there)."""
-    if not has_gate or scale is not None or (is_concatenated and bias is not None):
+    dtype), or MXFP4's with interleaved columns (GPT-OSS's checkpoints);
+    concatenated halves on a tile boundary of the weights as XLA stores them,
+    without a bias, or interleaved columns (GPT-OSS) with or without one
+    (tiling.glu_fusable); and a block that fits VMEM (GPT-OSS's 2,880 columns
+    admit only whole-expert slabs, 33 MB of them in bf16, which tpu7x's VMEM
+    cannot hold two of: it keeps the unfused product there; 8 MB in FP4)."""
+    fp4 = mxfp4.is_mxfp4(gate_up.dtype)
+    if not has_gate or (is_concatenated and bias is not None):
+        return False
+    if scale is not None and not (fp4 and not is_concatenated):
         return False
     w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    sub = tiling.sublane(gate_up.dtype)
+    # The rows reach the gmm in the weights' dtype (FP4: the activations'), as does its output.
+    dtype = hidden.dtype if fp4 else w.dtype
+    sub = tiling.sublane(dtype, w.dtype)
     interleaved = not is_concatenated
-    if n % 2 or not tiling.glu_fusable(n // 2, transpose_rhs, gate_up.dtype, sub, interleaved):
+    if n % 2 or not tiling.glu_fusable(n // 2, transpose_rhs, w.dtype, sub, interleaved):
         return False
     try:
         resolve_config(
@@ -543,9 +551,9 @@ def _glu_fusable(
             hidden.shape[1],
             n // 2,
             w.shape[0],
-            w.dtype,  # the rows reach the gmm in the weights' dtype, as does its output
+            dtype,
             w.dtype,
-            w.dtype,
+            dtype,
             glu=True,
             interleaved=interleaved,
             bias=bias is not None,

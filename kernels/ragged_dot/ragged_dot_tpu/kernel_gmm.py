@@ -410,9 +410,7 @@ def _gmm_kernel(
         lhs_copy = pltpu.make_async_copy(lhs_hbm, lhs_ref.at[pl.ds(0, m)], lhs_sem.at[0])
     n_i = pl.program_id(0)
     t_i = pl.program_id(1)
-    piece_n, n_pieces, tail_n = tiling.gmm_pieces(
-        block_n, tiling.GLU_PIECE if glu else tiling.widest_piece(wbuf.dtype)
-    )
+    piece_n, n_pieces, tail_n = tiling.gmm_pieces(block_n, tiling.widest_piece(wbuf.dtype, glu))
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
     if gather_rw:
         # state 3: rows of the next tile issued this step; 4: chunks of this
@@ -497,16 +495,10 @@ def _gmm_kernel(
         return dmas
 
     def weight_copies(n_q, j, slot):
-        if glu and interleaved:
-            # Gate and up columns alternate: the slab's output columns are one
-            # contiguous run of twice as many rhs columns, one DMA.
-            if n_blocks == 1:
-                src = rhs_hbm.at[j]
-            else:
-                cols = pl.ds(pl.multiple_of(n_q * slab_n, 256), slab_n)
-                src = rhs_hbm.at[j, cols, :] if transpose_rhs else rhs_hbm.at[j, :, cols]
-            return [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
-        if glu:
+        # Interleaved gate and up columns (glu_interleaved) take the plain
+        # slab's copies: a block's output columns are one contiguous run of
+        # slab_n = twice as many rhs columns (and of their FP4 scales).
+        if glu and not interleaved:
             # Piece by piece, the gate columns and then the up columns of the
             # same output columns, side by side: one MXU pass of 2 x piece
             # columns gives both (separate gate and up passes of one piece
@@ -539,17 +531,17 @@ def _gmm_kernel(
             if scale_axis == "mx":
                 scale_src = scale_hbm.at[j]
         else:
-            col = n_q * block_n
-            if block_n % 128 == 0:
+            col = n_q * slab_n
+            if slab_n % 128 == 0:
                 col = pl.multiple_of(col, 128)
             if transpose_rhs:
-                src = rhs_hbm.at[j, pl.ds(col, block_n), :]
+                src = rhs_hbm.at[j, pl.ds(col, slab_n), :]
             else:
-                src = rhs_hbm.at[j, :, pl.ds(col, block_n)]
+                src = rhs_hbm.at[j, :, pl.ds(col, slab_n)]
             if scale_axis == "n":
-                scale_src = scale_hbm.at[pl.ds(j, 1), pl.ds(col, block_n)]
+                scale_src = scale_hbm.at[pl.ds(j, 1), pl.ds(col, slab_n)]
             elif scale_axis == "mx":
-                scale_src = scale_hbm.at[j, :, pl.ds(col, block_n)]
+                scale_src = scale_hbm.at[j, :, pl.ds(col, slab_n)]
             elif scale_axis in ("k", "block"):  # the whole expert's scales
                 scale_src = scale_row(j)
         dmas = [pltpu.make_async_copy(src, wbuf.at[slot], sem.at[slot])]
@@ -772,14 +764,33 @@ def _gmm_kernel(
             if tail_n:
                 columns(n_pieces * piece_n, tail_n)
 
+        def activated(y, c0, width):
+            """act(gate) * up for output columns [c0, c0 + width) from their
+            product y, each product rounded to the output dtype first (and
+            again after its bias), as the unfused program rounds its projection."""
+            y = y.astype(out_ref.dtype)
+            if has_bias:
+                y = add_bias(y, 2 * c0, 2 * width)
+            if interleaved:
+                y = y.astype(jnp.float32)
+                gate, up = deinterleave(y, 0), deinterleave(y, 1)
+            else:
+                gate, up = y[:, :width], y[:, width:]
+            activation, alpha, limit = glu
+            return moe.glu(gate, up, activation=activation, alpha=alpha, limit=limit)
+
         def mx_decode_once(c0, width):
             """A group with many rows (prefill): the piece decoded once into
             wdec, then every row pass of the group against it, so the decode,
-            the VPU's work, is paid once per piece, not once per pass."""
-            wdec[:, pl.ds(0, width)] = mx_piece(c0, width)
+            the VPU's work, is paid once per piece, not once per pass. With
+            glu the piece's product columns are twice its output columns."""
+            slab_c0, slab_w = (2 * c0, 2 * width) if glu else (c0, width)
+            wdec[:, pl.ds(0, slab_w)] = mx_piece(slab_c0, slab_w)
 
             def emit_mx(r0, size, fresh):
-                y = rows_dot(r0, size, wdec[:, pl.ds(0, width)])
+                y = rows_dot(r0, size, wdec[:, pl.ds(0, slab_w)])
+                if glu:
+                    y = activated(y, c0, width)
                 store(r0, size, c0, width, y, kept_rows(r0, size, fresh))
 
             row_passes(r_lo, r_hi, sub=sub, chunk=chunk_m, emit=emit_mx, merged=merged_tails)
@@ -801,20 +812,11 @@ def _gmm_kernel(
 
             def columns(c0, width):
                 if glu:
-                    # act(gate) * up from the two products, each rounded to the
-                    # output dtype first (and again after its bias), as the
-                    # unfused program rounds its projection.
-                    y = slab_dot(x, 2 * c0, 2 * width).astype(out_ref.dtype)
-                    if has_bias:
-                        y = add_bias(y, 2 * c0, 2 * width)
-                    if interleaved:
-                        y = y.astype(jnp.float32)
-                        gate, up = deinterleave(y, 0), deinterleave(y, 1)
+                    if scale_axis == "mx":  # decoded straight into the MXU
+                        y = rows_dot(r0, size, mx_piece(2 * c0, 2 * width))
                     else:
-                        gate, up = y[:, :width], y[:, width:]
-                    activation, alpha, limit = glu
-                    y = moe.glu(gate, up, activation=activation, alpha=alpha, limit=limit)
-                    store(r0, size, c0, width, y, keep)
+                        y = slab_dot(x, 2 * c0, 2 * width)
+                    store(r0, size, c0, width, activated(y, c0, width), keep)
                     return
                 if scale_axis == "block":
                     y = block_dot(r0, size, c0, width)
@@ -1034,6 +1036,7 @@ def gmm(
         )
     num_groups = group_sizes.shape[0]
     half = n // 2
+    glu_on = glu is not None
     if glu is None and glu_interleaved:
         raise ValueError("gmm: glu_interleaved goes with glu, which is None")
     sub_in = tiling.sublane(lhs.dtype, w_dtype)
@@ -1048,20 +1051,19 @@ def gmm(
             else ("gate/up halves on a tile boundary")
         )
         raise ValueError(
-            f"gmm: glu needs unquantized rhs with {layout}"
+            f"gmm: glu needs unquantized (or interleaved FP4) rhs with {layout}"
             f" (tiling.glu_fusable); got rhs {w_dtype.name} {tuple(rhs.shape)},"
             f" transpose_rhs={transpose_rhs}, quantize_lhs={quantize_lhs}"
         )
     if bias is not None and (
         (glu is not None and not glu_interleaved)
-        or tiling.is_quantized(w_dtype)
         or tuple(bias.shape) != (num_local, n)
         or not jnp.issubdtype(bias.dtype, jnp.floating)
     ):
         raise ValueError(
-            f"gmm: bias needs unquantized rhs (with glu, interleaved gate/up columns) and a"
-            f" float [G_local, N] = [{num_local}, {n}] array; got rhs {w_dtype.name}, glu"
-            f" {'interleaved' if glu_interleaved else glu}, bias {bias.dtype} {tuple(bias.shape)}"
+            f"gmm: bias needs a float [G_local, N] = [{num_local}, {n}] array (with glu,"
+            f" interleaved gate/up columns); got bias {bias.dtype} {tuple(bias.shape)},"
+            f" glu {'interleaved' if glu_interleaved else glu}"
         )
     n_out = half if glu is not None else n
     quantized = tiling.is_quantized(rhs.dtype)
@@ -1198,9 +1200,12 @@ def gmm(
         ]
     elif mx:
         scratch += [
-            pltpu.VMEM((buffers, rhs_scale.shape[1], bn), jnp.uint8),
+            pltpu.VMEM((buffers, rhs_scale.shape[1], slab_n), jnp.uint8),
             pltpu.SemaphoreType.DMA((buffers,)),
-            pltpu.VMEM((k, tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype))[0]), compute_dtype),
+            pltpu.VMEM(
+                (k, slab_n // bn * tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype, glu_on))[0]),
+                compute_dtype,
+            ),
         ]
     elif quantized:
         s_width = bn if scale_axis == "n" else k

@@ -398,8 +398,12 @@ MXFP4_DECODE_ONCE_ROWS = 128
 GLU_PIECE = 256
 
 
-def widest_piece(w_dtype) -> int:
-    return MXFP4_PIECE if mxfp4.is_mxfp4(w_dtype) else 512
+def widest_piece(w_dtype, glu=False) -> int:
+    """Output columns of gmm's widest piece. With glu a piece's product has
+    twice its columns: FP4's then decodes MXFP4_PIECE columns, as without."""
+    if mxfp4.is_mxfp4(w_dtype):
+        return MXFP4_PIECE // 2 if glu else MXFP4_PIECE
+    return GLU_PIECE if glu else 512
 
 
 # Weight slabs in flight behind the one on the MXU: enough bytes to keep HBM
@@ -445,7 +449,8 @@ def pass_rows(chunk: int, sub: int, merged=()) -> int:
 
 def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int, interleaved: bool = False) -> bool:
     """Whether gmm can apply act(gate) * up in its epilogue (``glu``) for
-    `inter` gate and `inter` up columns: unquantized weights, and
+    `inter` gate and `inter` up columns: unquantized weights (or, interleaved,
+    MXFP4's, decoded a piece at a time as without glu), and
     * halves ([gate | up]): the up half starting on a tile boundary of the
       slab ([K, 2I]: a lane tile of 128; transposed [2I, K]: a sublane tile).
       Gemma 4's I = 704 qualifies only transposed (its torch layout);
@@ -453,7 +458,8 @@ def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int, interleaved: bo
       every piece's product is whole 128-lane tiles (its tail included: I =
       2880 ends in 64 output columns, 128 product lanes), which the epilogue
       deinterleaves a tile at a time (kernel_gmm.deinterleave)."""
-    if is_quantized(w_dtype) or jnp.dtype(w_dtype) not in SUPPORTED_DTYPES:
+    fp4 = interleaved and mxfp4.is_mxfp4(w_dtype)  # GPT-OSS's checkpoints
+    if not fp4 and (is_quantized(w_dtype) or jnp.dtype(w_dtype) not in SUPPORTED_DTYPES):
         return False
     if interleaved:
         return inter % GLU_INTERLEAVED_MULTIPLE == 0
@@ -527,11 +533,11 @@ def gmm_vmem_bytes(
     # quantized (quantized weights); else they are the rows as read, which
     # for Mixtral's down projection (K = 14,336) is what sets its blocks.
     need += rows * kp * (4 if is_quantized(w_dtype) else ib)
-    p, _, tail = gmm_pieces(bn, GLU_PIECE if glu else widest_piece(w_dtype))
+    p, _, tail = gmm_pieces(bn, widest_piece(w_dtype, glu))
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += (2 * halves + 1 + 2 * interleaved) * rows * pp * 4 + rows * pp * ob
         if mx:  # the decode's temporaries and the decoded piece kept in VMEM
-            need += (MXFP4_TEMP_BYTES + ib) * round_up(k, 32) * pp
+            need += (MXFP4_TEMP_BYTES + ib) * round_up(k, 32) * pp * halves
         elif is_quantized(w_dtype):
             need += round_up(k, 16) * pp * ib
     return need
