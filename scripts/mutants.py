@@ -1784,6 +1784,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: GPT-OSS's FP4 checkpoints keep XLA's bias and activation at inference",
     ),
     Mutant(
+        "moe-interleaved-glu-any-rows",
+        RD,
+        "    if interleaved and m < tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS * w.shape[0]:\n",
+        "    if False:\n",
+        (f"{T_MOE}::test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit",),
+        "moe: GPT-OSS's gate/up fused at decode too, where its two whole-expert slots lose",
+    ),
+    Mutant(
+        "moe-fp4-glu-smaller-tiles",
+        RD,
+        "        return cfg.block_m >= plain.block_m\n",
+        "        return True\n",
+        (f"{T_MOE}::test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit",),
+        "moe: FP4 GPT-OSS fused where its whole-expert slabs leave smaller row tiles (tpu7x)",
+    ),
+    Mutant(
         "moe-combine-off",
         MOE,
         "    if down_combine is not None:\n",

@@ -8,6 +8,7 @@ are checked against a dense per-(token, k) JAX implementation.
 
 from __future__ import annotations
 
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import pytest
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from ragged_dot_tpu import pairs, tiling
+from ragged_dot_tpu import mxfp4, pairs, tiling
 from ragged_dot_tpu.api import moe_experts
 from ragged_dot_tpu.reference import tolerance
 from moe_cases import abs_bound_moe as _abs_bound_moe
@@ -279,35 +280,50 @@ def test_inference_applies_the_activation_in_the_gate_up_kernel(layout):
     )
 
 
-@pytest.mark.parametrize("generation, fused", [("v5e", True), ("v6e", True), ("tpu7x", False)])
-def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(generation, fused):
-    """GPT-OSS-20B at 8,192 tokens (traced, not run): I = 2,880 columns admit
-    no block but the whole expert, [2880, 5760] bf16 = 33 MB a weight slot.
-    Two fit v5e's and v6e's VMEM, not tpu7x's: there the gate/up gmm writes
-    the projection and XLA applies the bias and activation. The down gmm adds
-    its bias everywhere (no [S, H] bias rows gathered)."""
-    e, k, h, i, t = 32, 4, 2880, 2880, 8192
+@pytest.mark.parametrize(
+    "weights, generation, t, fused",
+    [
+        ("bf16", "v5e", 8192, True),
+        ("bf16", "v6e", 8192, True),
+        ("bf16", "tpu7x", 8192, False),
+        ("bf16", "v6e", 64, False),
+        ("mxfp4", "v6e", 2048, True),
+        ("mxfp4", "tpu7x", 2048, False),
+        ("mxfp4", "tpu7x", 8192, True),
+    ],
+)
+def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(weights, generation, t, fused):
+    """GPT-OSS-20B (traced, not run): I = 2,880 columns admit no block but
+    the whole expert, [2880, 5760] bf16 = 33 MB a weight slot. Two fit v5e's
+    and v6e's VMEM, not tpu7x's: there the gate/up gmm writes the projection
+    and XLA applies the bias and activation. Nor below
+    tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS rows an expert (64 tokens: 8), nor
+    in FP4 where the whole-expert slabs leave smaller row tiles than the
+    unfused product's (tpu7x at 2,048 tokens). The down gmm adds its bias
+    everywhere (no [S, H] bias rows gathered)."""
+    e, k, h, i = 32, 4, 2880, 2880
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    args = (
-        sds((t, h), bf),
-        sds((t, k), jnp.int32),
-        sds((t, k), jnp.float32),
-        sds((e, h, 2 * i), bf),
-        sds((e, i, h), bf),
-        sds((e, 2 * i), bf),
-        sds((e, h), bf),
-    )
+    if weights == "mxfp4":
+        (gu, gu_s), (dn, dn_s) = mxfp4.abstract((e, h, 2 * i)), mxfp4.abstract((e, i, h))
+        extra = (sds((e, 2 * i), jnp.float32), sds((e, h), jnp.float32), gu_s, dn_s)
+    else:
+        gu, dn = sds((e, h, 2 * i), bf), sds((e, i, h), bf)
+        extra = (sds((e, 2 * i), bf), sds((e, h), bf))
+    args = (sds((t, h), bf), sds((t, k), jnp.int32), sds((t, k), jnp.float32), gu, dn, *extra)
     kw = _kw(LAYOUTS[1], e, config=generation)
     assert kw["is_concatenated"] is False and kw["activation"] == "gpt_oss"
     closed = jax.make_jaxpr(lambda *a: moe_experts(*a, **kw))(*args)
     # The gate/up gmm's [S, I] or [S, 2I] and the down gmm's [S, H] (I = H).
     widths = _pallas_widths(closed)
     assert widths.count((t * k, i)) == 1 + fused and ((t * k, 2 * i) in widths) != fused
-    # [S, H] gathers: the dispatch's rows and the combine's (H = 2880 is not
-    # packable), no rows of the down bias; the gate/up bias's only unfused.
-    assert str(closed).count(f"bf16[{t * k},{h}] = gather") == 2
-    assert str(closed).count(f"bf16[{t * k},{2 * i}] = gather") == (0 if fused else 1)
+    # [S, H] gathers: the dispatch's rows and the combine's past the one-hot
+    # routing's range (H = 2880 is not packable), never rows of the down bias;
+    # the gate/up bias's rows only unfused.
+    routed = 0 if tiling.route_by_matmul(t, bf, bf) else 2
+    text = str(closed)
+    assert len(re.findall(rf"\[{t * k},{h}\] = gather", text)) == routed
+    assert len(re.findall(rf"\[{t * k},{2 * i}\] = gather", text)) == (0 if fused else 1)
 
 
 @pytest.mark.parametrize(

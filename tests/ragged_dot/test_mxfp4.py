@@ -193,7 +193,9 @@ def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
     down gmm adds its bias; the result is the unfused (training) forward's,
     bit for bit."""
     rng = np.random.default_rng(9)
-    t, h, i, e, k = 12, 192, 128, 6, 2  # h apart from i and 2i: the launches tell apart
+    # 100 tokens: 33 rows an expert (tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS);
+    # h apart from i and 2i: the launches tell apart.
+    t, h, i, e, k = 100, 192, 128, 6, 2
     hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
     weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)

@@ -530,7 +530,8 @@ def _glu_fusable(
     without a bias, or interleaved columns (GPT-OSS) with or without one
     (tiling.glu_fusable); and a block that fits VMEM (GPT-OSS's 2,880 columns
     admit only whole-expert slabs, 33 MB of them in bf16, which tpu7x's VMEM
-    cannot hold two of: it keeps the unfused product there; 8 MB in FP4)."""
+    cannot hold two of: it keeps the unfused product there; 8 MB in FP4).
+    Interleaved, from tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS rows an expert."""
     fp4 = mxfp4.is_mxfp4(gate_up.dtype)
     if not has_gate or (is_concatenated and bias is not None):
         return False
@@ -544,22 +545,24 @@ def _glu_fusable(
     interleaved = not is_concatenated
     if n % 2 or not tiling.glu_fusable(n // 2, transpose_rhs, w.dtype, sub, interleaved):
         return False
+    m, k = top_k_index.shape[0] * top_k_index.shape[1], hidden.shape[1]
+    if interleaved and m < tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS * w.shape[0]:
+        return False
+    shape = (m, k, n // 2, w.shape[0], dtype, w.dtype, dtype)
     try:
-        resolve_config(
-            config,
-            top_k_index.shape[0] * top_k_index.shape[1],
-            hidden.shape[1],
-            n // 2,
-            w.shape[0],
-            dtype,
-            w.dtype,
-            dtype,
-            glu=True,
-            interleaved=interleaved,
-            bias=bias is not None,
+        cfg = resolve_config(
+            config, *shape, glu=True, interleaved=interleaved, bias=bias is not None
         )
     except ValueError:  # no block fits VMEM
         return False
+    if fp4:
+        # FP4 decodes each weight piece once a row tile and pass: where the
+        # fused block's VMEM (whole 2,880-column experts) leaves smaller row
+        # tiles than the unfused product's, the decodes it adds outweigh the
+        # XLA pass it saves (tpu7x, GPT-OSS at 2,048 tokens: 128-row tiles
+        # against 512, its gate/up 1,230.5 -> 2,061.8 us).
+        plain = resolve_config(config, *shape[:2], n, *shape[3:])
+        return cfg.block_m >= plain.block_m
     return True
 
 

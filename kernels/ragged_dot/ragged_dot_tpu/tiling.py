@@ -468,6 +468,17 @@ def glu_fusable(inter: int, transposed: bool, w_dtype, sub: int, interleaved: bo
 
 GLU_INTERLEAVED_MULTIPLE = 64
 
+# Rows per local expert (on average) from which the layer fuses an
+# interleaved GLU (api._glu_fusable). GPT-OSS's 2,880 columns admit only
+# whole-expert slabs, two in VMEM where the unfused product keeps three in
+# flight, and below this each expert's exposed DMA latency outweighs the XLA
+# pass the fusion saves. GPT-OSS-20B on v6e, its layer summed (launches and
+# XLA part, us), unfused -> fused: bf16 at 8 tokens 774.4 -> 798.4, 64:
+# 1,171.7 -> 1,200.3, 128: 1,191.3 -> 1,205.3, 256 (32 rows an expert):
+# 1,226.5 -> 1,224.2, 512: 1,320.7 -> 1,261.3; MXFP4 at 8: 592.7 -> 603.7,
+# 64: 894.7 -> 901.4, 256: 985.0 -> 981.3, 512: 1,136.2 -> 1,081.6.
+GLU_INTERLEAVED_MIN_GROUP_ROWS = 32
+
 
 def gmm_vmem_bytes(
     m,
