@@ -526,8 +526,8 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
 # fit VMEM (bf16 on v5e and v6e, where tpu7x keeps XLA's activation; MXFP4
 # everywhere), the down gmm adds its bias on every generation.
 # (kind, tokens, weights, generation)
-GPT_OSS_LAYER_POINTS = [("gpt_oss_layer", 8192, "bf16", g) for g in ("v5e", "v6e", "tpu7x")] + [
-    ("gpt_oss_layer", 8192, "mxfp4", g) for g in ("v6e", "tpu7x")
+GPT_OSS_LAYER_POINTS = [
+    ("gpt_oss_layer", 8192, weights, g) for weights in ("bf16", "mxfp4") for g in ("v6e", "tpu7x")
 ]
 
 

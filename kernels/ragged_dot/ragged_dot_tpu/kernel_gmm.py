@@ -398,7 +398,7 @@ def _gmm_kernel(
     if scale_axis == "mx":
         wdec, *rest = rest  # a slab piece decoded, [K, piece]
     if has_bias:
-        bbuf, *rest = rest  # a slot's bias row, [1, 2 * block_n] f32
+        bbuf, *rest = rest  # a slot's bias row, [1, slab_n] f32
     if gather_rw:
         xw, xsem = rest
         lhs_hbm = lhs_ref
@@ -410,7 +410,9 @@ def _gmm_kernel(
         lhs_copy = pltpu.make_async_copy(lhs_hbm, lhs_ref.at[pl.ds(0, m)], lhs_sem.at[0])
     n_i = pl.program_id(0)
     t_i = pl.program_id(1)
-    piece_n, n_pieces, tail_n = tiling.gmm_pieces(block_n, tiling.widest_piece(wbuf.dtype, glu))
+    piece_n, n_pieces, tail_n = tiling.gmm_pieces(
+        block_n, tiling.widest_piece(wbuf.dtype, glu is not None)
+    )
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
     if gather_rw:
         # state 3: rows of the next tile issued this step; 4: chunks of this
@@ -962,15 +964,15 @@ def gmm(
         up halves of N/2 columns each ([gate | up], moe's concatenated
         layout; tiling.glu_fusable says which); the output is
         act(gate) * up, [M, N/2], each product rounded to the output dtype
-        before the activation (in f32). Unquantized rhs only.
+        before the activation (in f32). Unquantized rhs, or FP4 with
+        glu_interleaved.
       glu_interleaved: with glu, rhs's N columns alternate gate, up, gate,
         up, ... (GPT-OSS's layout) instead of two halves; N/2 a multiple of
         64 (tiling.glu_fusable).
       bias: None or [G_local, N] (N rhs's output columns, gate and up
         interleaved with glu): each group's row added to its rows' products
         rounded to the output dtype, in that dtype (rounded again), before
-        any activation: transformers' ``proj + bias``. Not with glu's halves
-        nor with quantized rhs.
+        any activation: transformers' ``proj + bias``. Not with glu's halves.
       packed: the bf16 output written as pairs.pack_rows lays it out, uint32
         [M * pairs.row_words(N), 128] (N the output's columns): each row's words are
         contiguous, for the combine kernel to fetch by DMA. Needs a bf16
@@ -1036,7 +1038,6 @@ def gmm(
         )
     num_groups = group_sizes.shape[0]
     half = n // 2
-    glu_on = glu is not None
     if glu is None and glu_interleaved:
         raise ValueError("gmm: glu_interleaved goes with glu, which is None")
     sub_in = tiling.sublane(lhs.dtype, w_dtype)
@@ -1203,7 +1204,12 @@ def gmm(
             pltpu.VMEM((buffers, rhs_scale.shape[1], slab_n), jnp.uint8),
             pltpu.SemaphoreType.DMA((buffers,)),
             pltpu.VMEM(
-                (k, slab_n // bn * tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype, glu_on))[0]),
+                (
+                    k,
+                    slab_n
+                    // bn
+                    * tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype, glu is not None))[0],
+                ),
                 compute_dtype,
             ),
         ]
