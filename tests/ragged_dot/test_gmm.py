@@ -87,6 +87,21 @@ def _merged(draw, bm, chunk, dtype):
     return draw(st.sampled_from([t for t in options if not t or bm >= chunk + t[-1] * sub]))
 
 
+def _maybe_config(draw, m, n, dtype):
+    """None (tiling's choice) or small explicit blocks for n output columns:
+    several row tiles and slabs, 2 to 4 weight slots, merged tails or not."""
+    if not draw(st.booleans()):
+        return None
+    bm, chunk = _blocks(draw, m, dtype)
+    return tiling.GmmConfig(
+        bm,
+        _slab(draw, n),
+        chunk,
+        weight_buffers=draw(st.integers(2, 4)),
+        merged_tails=_merged(draw, bm, chunk, dtype),
+    )
+
+
 def _configs(draw, m, k, n, dtype):
     """Small explicit blocks, so that several row tiles and N slabs are walked."""
     bm, chunk = _blocks(draw, m, dtype)
@@ -737,16 +752,7 @@ def bias_problems(draw):
     n = draw(st.sampled_from([40, 128, 256, 320]))  # 40, 320: not whole lane tiles / a tail piece
     g = draw(st.integers(1, 4))
     sizes = _sizes(draw, m, g)
-    cfg = None
-    if draw(st.booleans()):
-        bm, chunk = _blocks(draw, m, dtype)
-        cfg = tiling.GmmConfig(
-            bm,
-            _slab(draw, n),
-            chunk,
-            weight_buffers=draw(st.integers(2, 4)),
-            merged_tails=_merged(draw, bm, chunk, dtype),
-        )
+    cfg = _maybe_config(draw, m, n, dtype)
     return dtype, transpose, m, k, n, sizes, cfg, draw(st.integers(0, 2**16))
 
 
@@ -820,44 +826,55 @@ def _check_glu(out, lhs, w_kn, gs, act, i, interleaved=False, bias=None):
 
 
 @st.composite
-def glu_problems(draw):
+def glu_problems(draw, interleaved=False):
     dtype = draw(st.sampled_from(DTYPES))
     transpose = draw(st.booleans())
     sub = tiling.sublane(dtype)
-    # Halves on the slab's tile boundary: lanes ([K, 2I]) or sublanes ([2I, K],
-    # where 176 = 128 + 48 also leaves a tail piece).
-    i = draw(
-        st.sampled_from([128, 256, 384] + ([176, 48 if sub == 16 else 40] if transpose else []))
-    )
+    if interleaved:
+        # Multiples of 64 (tiling.glu_fusable): 64 and 192 end in a lone 128-lane
+        # product tile (GPT-OSS's 2,880 does: 11 pieces of 256 and one of 64).
+        i = draw(st.sampled_from([64, 128, 192, 320]))
+    else:
+        # Halves on the slab's tile boundary: lanes ([K, 2I]) or sublanes ([2I, K],
+        # where 176 = 128 + 48 also leaves a tail piece).
+        tails = [176, 48 if sub == 16 else 40] if transpose else []
+        i = draw(st.sampled_from([128, 256, 384] + tails))
     m = draw(st.sampled_from([5, 24, 37, 100]))
     k = draw(st.sampled_from([40, 128]))
     g = draw(st.integers(1, 4))
     sizes = _sizes(draw, m, g)
     act = draw(st.sampled_from(GLU_ACTIVATIONS))
-    cfg = None
-    if draw(st.booleans()):
-        bm, chunk = _blocks(draw, m, dtype)
-        cfg = tiling.GmmConfig(
-            bm,
-            _slab(draw, i),
-            chunk,
-            weight_buffers=draw(st.integers(2, 4)),
-            merged_tails=_merged(draw, bm, chunk, dtype),
-        )
-    return dtype, transpose, m, k, i, sizes, act, cfg, draw(st.integers(0, 2**16))
+    cfg = _maybe_config(draw, m, i, dtype)
+    bias = interleaved and draw(st.booleans())  # a bias goes with the interleaved layout
+    return dtype, transpose, m, k, i, sizes, act, cfg, bias, draw(st.integers(0, 2**16))
 
 
 # Several row tiles, 128-column blocks of a 384-column half (three slabs, each
 # carrying a gate and an up block), a short sum; and a transposed slab with a
 # 48-row tail piece.
 @example(
-    (jnp.bfloat16, False, 100, 40, 384, [30, 0, 7, 12], "silu", tiling.GmmConfig(16, 128, 16), 1)
+    (
+        jnp.bfloat16,
+        False,
+        100,
+        40,
+        384,
+        [30, 0, 7, 12],
+        "silu",
+        tiling.GmmConfig(16, 128, 16),
+        False,
+        1,
+    )
 )
-@example((jnp.float32, True, 37, 128, 176, [20, 17], "gpt_oss", None, 2))
+@example((jnp.float32, True, 37, 128, 176, [20, 17], "gpt_oss", None, False, 2))
 # Slabs of 4 and 5 GLU pieces: all unrolled into one loop body, and 2 a body
 # with a remainder of 1 (tiling.piece_unroll).
-@example((jnp.bfloat16, False, 24, 40, 1024, [9, 15], "silu", tiling.GmmConfig(16, 1024, 16), 3))
-@example((jnp.bfloat16, False, 24, 40, 1280, [24], "gelu", tiling.GmmConfig(16, 1280, 16), 4))
+@example(
+    (jnp.bfloat16, False, 24, 40, 1024, [9, 15], "silu", tiling.GmmConfig(16, 1024, 16), False, 3)
+)
+@example(
+    (jnp.bfloat16, False, 24, 40, 1280, [24], "gelu", tiling.GmmConfig(16, 1280, 16), False, 4)
+)
 # Merged tails on transposed weights (tpu7x's case, tiling.merged_tail_tiles).
 @example(
     (
@@ -869,13 +886,14 @@ def glu_problems(draw):
         [112, 0, 16, 80, 11],
         "silu",
         tiling.GmmConfig(128, 128, 64, merged_tails=(1, 2)),
+        False,
         5,
     )
 )
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(glu_problems())
 def test_gmm_glu_epilogue_matches_reference(problem):
-    dtype, transpose, m, k, i, sizes, act, cfg, seed = problem
+    dtype, transpose, m, k, i, sizes, act, cfg, _, seed = problem
     rng = np.random.default_rng(seed)
     gs = jnp.asarray(sizes, jnp.int32)
     lhs = _rand(rng, (m, k), dtype)
@@ -887,32 +905,6 @@ def test_gmm_glu_epilogue_matches_reference(problem):
     assert out.dtype == dtype and out.shape == (m, i)
     _check_glu(out, lhs, w_kn, gs, act, i)
     assert not np.asarray(out[sum(sizes) :], np.float32).any()
-
-
-@st.composite
-def interleaved_glu_problems(draw):
-    dtype = draw(st.sampled_from(DTYPES))
-    transpose = draw(st.booleans())
-    # Multiples of 64 (tiling.glu_fusable): 64 and 192 end in a lone 128-lane
-    # product tile (GPT-OSS's 2,880 does: 11 pieces of 256 and one of 64).
-    i = draw(st.sampled_from([64, 128, 192, 320]))
-    m = draw(st.sampled_from([5, 24, 37, 100]))
-    k = draw(st.sampled_from([40, 128]))
-    g = draw(st.integers(1, 4))
-    sizes = _sizes(draw, m, g)
-    act = draw(st.sampled_from(GLU_ACTIVATIONS))
-    cfg = None
-    if draw(st.booleans()):
-        bm, chunk = _blocks(draw, m, dtype)
-        cfg = tiling.GmmConfig(
-            bm,
-            _slab(draw, i),
-            chunk,
-            weight_buffers=draw(st.integers(2, 4)),
-            merged_tails=_merged(draw, bm, chunk, dtype),
-        )
-    bias = draw(st.booleans())
-    return dtype, transpose, m, k, i, sizes, act, cfg, bias, draw(st.integers(0, 2**16))
 
 
 # GPT-OSS's layer: interleaved with a bias, [K, 2I] weights; slabs of 128
@@ -938,7 +930,7 @@ def interleaved_glu_problems(draw):
 )
 @example((jnp.bfloat16, True, 100, 128, 64, [60, 40], "gelu", None, False, 4))
 @settings(max_examples=2, deadline=None, derandomize=True)
-@given(interleaved_glu_problems())
+@given(glu_problems(interleaved=True))
 def test_gmm_interleaved_glu_epilogue_matches_reference(problem):
     """GPT-OSS's layout: gate and up columns alternate, and a bias is added to
     the rounded product before the activation (transformers' proj + bias)."""

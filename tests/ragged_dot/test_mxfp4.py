@@ -187,6 +187,21 @@ def test_mxfp4_interleaved_glu_is_the_unfused_program_bit_for_bit(problem):
     assert not np.asarray(fused[sum(sizes) :], np.float32).any()
 
 
+def _layer_arrays(rng, t, h, i, e, k, bias_scale=None):
+    """A layer's bf16 hidden states, routing, MXFP4 gate/up and down weights
+    with their scales, and f32 biases of bias_scale (None: no biases)."""
+    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    gu, gu_s = mxfp4.quantize(rng.standard_normal((e, h, 2 * i)) * 0.1)
+    dn, dn_s = mxfp4.quantize(rng.standard_normal((e, i, h)) * 0.1)
+    gu_b = dn_b = None
+    if bias_scale is not None:
+        gu_b = jnp.asarray(rng.standard_normal((e, 2 * i)) * bias_scale, jnp.float32)
+        dn_b = jnp.asarray(rng.standard_normal((e, h)) * bias_scale, jnp.float32)
+    return hidden, ids, weights, gu, gu_s, dn, dn_s, gu_b, dn_b
+
+
 def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
     """GPT-OSS's checkpoint layer without a gradient: the gate/up gmm writes
     act(gate + b) * (up + b) ([S, I], not the [S, 2I] projection) and the
@@ -196,13 +211,7 @@ def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
     # 100 tokens: 33 rows an expert (tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS);
     # h apart from i and 2i: the launches tell apart.
     t, h, i, e, k = 100, 192, 128, 6, 2
-    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
-    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
-    gu, gu_s = mxfp4.quantize(rng.standard_normal((e, h, 2 * i)) * 0.1)
-    dn, dn_s = mxfp4.quantize(rng.standard_normal((e, i, h)) * 0.1)
-    gu_b = jnp.asarray(rng.standard_normal((e, 2 * i)) * 0.3, jnp.float32)
-    dn_b = jnp.asarray(rng.standard_normal((e, h)) * 0.3, jnp.float32)
+    hidden, ids, weights, gu, gu_s, dn, dn_s, gu_b, dn_b = _layer_arrays(rng, t, h, i, e, k, 0.3)
     kw = dict(num_experts=e, is_transposed=True, is_concatenated=False, activation="gpt_oss")
 
     def layer(x, w):
@@ -224,13 +233,8 @@ def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
 def test_mxfp4_moe_experts_matches_reference_with_gradients(activation, concatenated, bias):
     rng = np.random.default_rng(7)
     t, h, i, e, k = 12, 128, 96, 6, 2
-    hidden = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
-    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
-    gu, gu_s = mxfp4.quantize(rng.standard_normal((e, h, 2 * i)) * 0.1)
-    dn, dn_s = mxfp4.quantize(rng.standard_normal((e, i, h)) * 0.1)
-    gu_b = jnp.asarray(rng.standard_normal((e, 2 * i)) * 0.1, jnp.float32) if bias else None
-    dn_b = jnp.asarray(rng.standard_normal((e, h)) * 0.1, jnp.float32) if bias else None
+    layer = _layer_arrays(rng, t, h, i, e, k, 0.1 if bias else None)
+    hidden, ids, weights, gu, gu_s, dn, dn_s, gu_b, dn_b = layer
     kw = dict(num_experts=e, is_transposed=True, activation=activation)
     kw["is_concatenated"] = concatenated
 

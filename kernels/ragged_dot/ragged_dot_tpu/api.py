@@ -361,9 +361,10 @@ def _moe_program(
             quantize_lhs=quantize_activations,
         )
 
-    def matmul_glu(x, w, group_sizes, gather=None):
+    def gmm_as_stored(x, w, group_sizes, scale, cfg, **kw):
+        """gmm on the weights as the model stores them, with their scales."""
         w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
-        scale, scale_axis = _kernel_scale(gate_up_scale, swapped, "n")  # FP4's, or none
+        scale, scale_axis = _kernel_scale(scale, swapped, "n")
         return gmm(
             x,
             w,
@@ -372,8 +373,18 @@ def _moe_program(
             rhs_scale=scale,
             scale_axis=scale_axis,
             transpose_rhs=transpose_rhs,
-            config=config,
+            config=cfg,
             interpret=interpret,
+            **kw,
+        )
+
+    def matmul_glu(x, w, group_sizes, gather=None):
+        return gmm_as_stored(
+            x,
+            w,
+            group_sizes,
+            gate_up_scale,  # FP4's, or none
+            config,
             glu=(activation, alpha, limit),
             gather=gather,
             glu_interleaved=not is_concatenated,
@@ -383,36 +394,10 @@ def _moe_program(
     down_config = _configs(configs["down"])[0]  # the forward's
 
     def matmul_down(x, w, group_sizes):
-        w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
-        scale, scale_axis = _kernel_scale(down_scale, swapped, "n")
-        return gmm(
-            x,
-            w,
-            group_sizes,
-            group_offset=zero,
-            rhs_scale=scale,
-            scale_axis=scale_axis,
-            transpose_rhs=transpose_rhs,
-            config=down_config,
-            interpret=interpret,
-            bias=down_bias,
-        )
+        return gmm_as_stored(x, w, group_sizes, down_scale, down_config, bias=down_bias)
 
     def down_combine(x, w, group_sizes, slots, weights):
-        w, transpose_rhs, swapped = _hbm_view(w, not is_transposed)
-        scale, scale_axis = _kernel_scale(down_scale, swapped, "n")
-        rows = gmm(
-            x,
-            w,
-            group_sizes,
-            group_offset=zero,
-            rhs_scale=scale,
-            scale_axis=scale_axis,
-            transpose_rhs=transpose_rhs,
-            config=down_config,
-            interpret=interpret,
-            packed=True,
-        )
+        rows = gmm_as_stored(x, w, group_sizes, down_scale, down_config, packed=True)
         return combine(
             rows,
             slots,
