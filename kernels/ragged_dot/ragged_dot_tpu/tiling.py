@@ -512,8 +512,8 @@ def gmm_vmem_bytes(
     tpu7x gate/up in 2,048-row tiles compiles at 44 MiB and not at 42 with
     the gather, 42 and not 41 without: by compiling it at each limit.)
     With glu, `interleaved`: each piece's gate and up deinterleaved, two more
-    f32 temporaries of a piece; `bias`: an f32 [1, 2bn] bias row a weight
-    slot, padded to 8 sublanes."""
+    f32 temporaries of a piece. `bias` (with or without glu): an f32 bias row
+    of the slab's columns (2bn with glu) a weight slot, padded to 8 sublanes."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     halves = 2 if glu else 1
     tiles = -(-m // bm)
@@ -588,7 +588,8 @@ def gmm_config(
     `packed`: the output is written as packed rows (gmm's packed=True).
     `gather`: lhs rows gathered in the kernel (gmm's gather=), which needs
     the whole of n in one block (each row tile is then fetched once).
-    `interleaved`, `bias`: glu's layout and bias (gmm_vmem_bytes)."""
+    `interleaved`: glu's gate/up columns alternate; `bias`: gmm's bias= (both
+    for gmm_vmem_bytes)."""
     gen = get_generation(generation)
     dtype = jnp.dtype(dtype)
     w_dtype = jnp.dtype(w_dtype or dtype)
