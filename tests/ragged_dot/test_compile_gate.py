@@ -209,6 +209,8 @@ def gate_program(point) -> GateProgram:
         return _glu_program(point[1:])
     if point[0] == "gpt_oss_layer":
         return _gpt_oss_layer_program(point[1:])
+    if point[0] == "gpt_oss_decode":
+        return _gpt_oss_decode_program(point[1:])
     if point[0] == "combine":
         return _combine_program(point[1:])
     if point[0] == "gather":
@@ -554,6 +556,36 @@ def _gpt_oss_layer_program(point) -> GateProgram:
     return GateProgram(fn, args, generation)
 
 
+def _gpt_oss_fused(tokens, weights, generation):
+    e, top_k, h, i = MODELS["gpt_oss_20b"]
+    w_dtype = jnp.uint8 if weights == "mxfp4" else jnp.bfloat16
+    return tiling.fused_moe_config(
+        tokens, h, i, jnp.bfloat16, w_dtype, has_gate=True, is_transposed=True,
+        is_concatenated=False, has_bias=True, generation=generation,
+    )  # fmt: skip
+
+
+# GPT-OSS's layer at decode: one launch (kernel_moe_decode) with its biases
+# and interleaved gate/up columns, bf16 in 192-column slices of I (no
+# multiple of 128 divides 2880), MXFP4 whole experts; one token and the most
+# tokens the rule gives the launch, where its VMEM is fullest.
+# (kind, tokens, weights, generation)
+GPT_OSS_DECODE_POINTS = [
+    ("gpt_oss_decode", 1, "bf16", "v6e"),
+    ("gpt_oss_decode", 1, "mxfp4", "tpu7x"),
+    ("gpt_oss_decode", 8, "mxfp4", "v6e"),
+    ("gpt_oss_decode", "most", "bf16", "tpu7x"),
+]
+
+
+def _gpt_oss_decode_program(point) -> GateProgram:
+    tokens, weights, generation = point
+    if tokens == "most":
+        tokens = max(t for t in range(1, 512) if _gpt_oss_fused(t, weights, generation))
+    assert _gpt_oss_fused(tokens, weights, generation), f"{point}: not the fused launch"
+    return _gpt_oss_layer_program((tokens, weights, generation))
+
+
 # The one-launch decode layer (kernel_moe_decode) at the shapes it takes:
 # the smallest and largest token counts of a generation, the torch and
 # transposed weight layouts, TP-8 slices (Qwen3 I/8 = 96, Mixtral I/8 = 1792)
@@ -770,4 +802,9 @@ def test_gmm_compiles_for_row_counts_off_the_tile(rows, dtype):
 
 @pytest.mark.parametrize("point", MOE_DECODE_POINTS, ids=_id)
 def test_one_launch_decode_layer_compiles(point, pool):
+    pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("point", GPT_OSS_DECODE_POINTS, ids=_id)
+def test_gpt_oss_one_launch_decode_layer_compiles(point, pool):
     pool.assert_ok(__file__, point)

@@ -1,7 +1,8 @@
 """The one-launch decode layer (kernel_moe_decode), in interpret mode.
 
-moe_experts runs it for layers without biases of bf16 activations and bf16
-or per-channel int8 / fp8 weights, up to tiling.fused_moe_max_tokens
+moe_experts runs it for layers of bf16 activations and bf16, per-channel
+int8 / fp8 or MXFP4 weights, with or without biases, gate/up as halves or
+interleaved (GPT-OSS), up to tiling.fused_moe_max_tokens
 (~270 tokens for a bf16 Qwen3 layer on v6e); each test first checks the launch really is the fused
 one. Forward: against transformers' own layer in f32 on the same bf16 values,
 per element (tests/tolerances.py; the bound is test_moe_jax's: |terms| of
@@ -20,7 +21,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from ragged_dot_tpu import reference, tiling
+from ragged_dot_tpu import moe, reference, tiling
 from ragged_dot_tpu.api import moe_experts
 from moe_cases import abs_bound_moe as _abs_bound_moe
 from moe_cases import experts as _experts
@@ -31,14 +32,21 @@ from quantization import quantize
 from tolerances import assert_close
 
 BF = jnp.bfloat16
-# (name, has_gate, is_transposed, is_concatenated, has_bias, activation): the
-# layouts the fused kernel carries (no biases, gate/up halves not interleaved).
+# (name, has_gate, is_transposed, is_concatenated, has_bias, activation):
+# layouts the fused kernel carries (GPT_OSS_LAYOUTS: interleaved, biased).
 LAYOUTS = [
     ("qwen_mixtral", True, False, True, False, "silu"),
     ("transposed", True, True, True, False, "silu"),
     ("gemma_like", True, False, True, False, "gelu_pytorch_tanh"),
     ("nemotron_h", False, False, True, False, "relu2"),
 ]
+
+
+GPT_OSS_LAYOUTS = [
+    ("gpt_oss", True, True, False, True, "gpt_oss"),  # [E, H, 2I], [E, I, H]
+    ("interleaved_torch", True, False, False, True, "silu"),  # [E, 2I, H], [E, H, I]
+]
+BIASED_HALVES = ("biased_halves", True, False, True, True, "silu")
 
 
 def _launches(fn, *args) -> list[str]:
@@ -160,28 +168,30 @@ def test_quantized_weights_match_the_same_rounding_points(
 @settings(max_examples=3, deadline=None)
 @given(
     t=st.sampled_from([1, 3, 8]),
-    has_gate=st.booleans(),
+    gate=st.sampled_from(["halves", "none", "gpt_oss"]),
     shard=st.sampled_from([None, 2]),
     e8m0=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@example(t=3, has_gate=True, shard=2, e8m0=False, seed=5)
-def test_mxfp4_weights_decode_in_the_one_launch(t, has_gate, shard, e8m0, seed):
+@example(t=3, gate="halves", shard=2, e8m0=False, seed=5)
+@example(t=1, gate="gpt_oss", shard=None, e8m0=True, seed=6)
+def test_mxfp4_weights_decode_in_the_one_launch(t, gate, shard, e8m0, seed):
     """MXFP4 weights in mxfp4's kernel layout: the 4-bit slices and their
     scale rows stream through the one launch and are decoded in VMEM; the
     decoded weights are the checkpoint's values exactly, so the result is the
     two-launch program's (its XLA reference on the dequantized weights) within
-    its rounding points."""
+    its rounding points. GPT-OSS's checkpoints: interleaved gate/up columns
+    (I = 192: 384 of them, a decoded piece and a half) and f32 biases."""
     from ragged_dot_tpu import mxfp4
 
-    layout = (
-        ("transposed", True, True, True, False, "silu")
-        if has_gate
-        else ("up_only", False, True, True, False, "relu2")
-    )
+    layout = {
+        "halves": ("transposed", True, True, True, False, "silu"),
+        "none": ("up_only", False, True, True, False, "relu2"),
+        "gpt_oss": GPT_OSS_LAYOUTS[0],
+    }[gate]
     # H = 384: down's columns are two decoded pieces (mxfp4's 256 and a tail).
-    e, h, i, k = 6, 384, 256, 2
-    _, gu, dn, _, _ = _experts(layout, e, h, i, seed=seed)
+    e, h, i, k = 6, 384, (192 if gate == "gpt_oss" else 256), 2
+    _, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=seed)
     idx, w = _routing(t, k, e, seed=seed + 1)
     hid = _j(torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)), BF)
     gu_q, gu_s = mxfp4.quantize(_j(gu))  # [E, H/2, (2)I], [E, 32, (2)I]
@@ -190,7 +200,8 @@ def test_mxfp4_weights_decode_in_the_one_launch(t, has_gate, shard, e8m0, seed):
         gu_s, dn_s = (jax.lax.bitcast_convert_type(s_, jnp.float8_e8m0fnu) for s_ in (gu_s, dn_s))
     num, off = (e, 0) if shard is None else (e - shard, shard)
     args = (hid, _j(idx).astype(jnp.int32), _j(w))
-    weights = (gu_q[off:], dn_q[off:], None, None, gu_s[off:], dn_s[off:])
+    b1, b2 = (None if b is None else _j(b)[off:] for b in (b1, b2))
+    weights = (gu_q[off:], dn_q[off:], b1, b2, gu_s[off:], dn_s[off:])
     fn = lambda *a: moe_experts(*a, **_kw(layout, num, group_offset=off))  # noqa: E731
     assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
     deq = lambda q, s_: mxfp4.dequantize(q, mxfp4.scale_bytes(s_))  # noqa: E731
@@ -202,39 +213,162 @@ def test_mxfp4_weights_decode_in_the_one_launch(t, has_gate, shard, e8m0, seed):
 
 def _assert_the_programs(out, args, weights, gu, dn, *, layout, num, off):
     """The fused layer's `out` against the two-launch program's XLA reference on
-    the same (quantized) `weights`, per element within its rounding points;
-    gu, dn: every expert's weights dequantized in f32, for the bound."""
+    the same (quantized) `weights` (and biases), per element within its
+    rounding points; gu, dn: every expert's weights dequantized in f32, for
+    the bound."""
     _, has_gate, is_transposed, is_conc, _, act = layout
     same = reference.moe_experts_reference(
         *args, *weights[:4], num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0,
         *weights[4:],
     )  # fmt: skip
+    biased = weights[2] is not None or weights[3] is not None
     mag = _down_terms(
         *args, gu[off:], dn[off:], num=num, off=off, has_gate=has_gate,
-        transposed=is_transposed, act=act,
+        transposed=is_transposed, act=act, interleaved=has_gate and not is_conc,
+        biases=weights[2:4],
     )  # fmt: skip
-    assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=5, what="out")
+    # A bias adds one rounding to each projection it is added to.
+    roundings = 7 if biased else 5
+    assert_close(
+        out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=roundings, what="out"
+    )
 
 
-def _down_terms(hid, idx, w, gu, dn, *, num, off, has_gate, transposed, act):
-    """Per output element, sum over local slots of |w| x sum_i s_i |Wd_i|, s
-    the scale of activation i's error: a bf16 flip of the gate or up
-    projection moves act(g) * u by <= 1.13 u |g| |u| each (|act'| <= 1.13
-    for SiLU and tanh-GELU, |act(g)| <= |g|), its own rounding and the down
-    product's by u |g| |u| each: 5 roundings of |g| |u| (relu2: p^2, 4)."""
+def _down_terms(
+    hid, idx, w, gu, dn, *, num, off, has_gate, transposed, act, interleaved=False, biases=()
+):
+    """Per output element, sum over local slots of |w| x (sum_i s_i |Wd_i| +
+    |down bias|), s the scale of activation i's error: a bf16 flip of the
+    gate or up projection moves act(g) * u by <= 1.13 u |g| |u| each (|act'|
+    <= 1.13 for SiLU and tanh-GELU, |act(g)| <= |g|; GPT-OSS's clamped GLU
+    (u + 1) g sigmoid(1.702 g): |g| (|u| + 1)), its own rounding and the
+    down product's by u |g| |u| each: 5 roundings of |g| |u| (relu2: p^2,
+    4), one more for each bias added. biases: (gate/up bias, down bias), each
+    None or [E_local, N]."""
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    b_up, b_dn = (tuple(biases) + (None, None))[:2]
     local = jnp.logical_and(idx >= off, idx < off + num)
     ids = jnp.clip(idx - off, 0, num - 1)
     eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
     eq_dn = "tki,tkih->tkh" if transposed else "tki,tkhi->tkh"
-    p = jnp.einsum(eq_up, f(hid), f(gu)[ids], precision="highest").astype(BF).astype(jnp.float32)
+    p = jnp.einsum(eq_up, f(hid), f(gu)[ids], precision="highest")
+    if b_up is not None:
+        p = p + f(b_up).astype(BF).astype(jnp.float32)[ids]
+    p = p.astype(BF).astype(jnp.float32)
     if has_gate:
-        g, u = jnp.split(p, 2, axis=-1)
-        scale = jnp.abs(g) * jnp.abs(u)
+        g, u = (p[..., 0::2], p[..., 1::2]) if interleaved else jnp.split(p, 2, axis=-1)
+        scale = jnp.abs(g) * (jnp.abs(u) + (act == "gpt_oss"))
     else:
         scale = p * p if act == "relu2" else jnp.abs(p)
     terms = jnp.einsum(eq_dn, scale, jnp.abs(f(dn))[ids], precision="highest")
+    if b_dn is not None:
+        terms = terms + jnp.abs(f(b_dn))[ids]
     return (terms * jnp.where(local, jnp.abs(f(w)), 0.0)[..., None]).sum(1)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    t=st.sampled_from([1, 2, 3, 5, 8, 13]),
+    k=st.integers(1, 4),
+    layout=st.sampled_from([*GPT_OSS_LAYOUTS, BIASED_HALVES]),
+    biases=st.sampled_from(["both", "gate_up", "down", "none"]),
+    f32_biases=st.booleans(),
+    chunked=st.booleans(),
+    shard=st.sampled_from([None, 2]),
+    seed=st.integers(0, 2**16),
+)
+@example(
+    t=1, k=4, layout=GPT_OSS_LAYOUTS[0], biases="both", f32_biases=True, chunked=True,
+    shard=None, seed=1,
+)  # fmt: skip
+@example(
+    t=5, k=2, layout=GPT_OSS_LAYOUTS[1], biases="both", f32_biases=False, chunked=True,
+    shard=2, seed=2,
+)  # fmt: skip
+@example(
+    t=3, k=2, layout=BIASED_HALVES, biases="gate_up", f32_biases=False, chunked=True,
+    shard=None, seed=3,
+)  # fmt: skip
+def test_interleaved_gate_up_and_biases_in_the_one_launch(
+    t, k, layout, biases, f32_biases, chunked, shard, seed
+):
+    """GPT-OSS's layout: gate and up columns interleaved, a bias on each
+    projection (f32 as its MXFP4 loader keeps them, or bf16), its clamped
+    GLU; and biases on gate/up halves. A slice of I is 2 x block_i
+    interleaved columns, deinterleaved in the kernel, each bias added in the
+    projection's dtype. Against
+    transformers' layer in f32 on the same bf16 values, and against the
+    two-launch program's rounding points (its XLA reference)."""
+    gpt = layout[0] == "gpt_oss"
+    # GPT-OSS's [E, I, H] down takes 64-column slices of I; [E, H, I] 128.
+    e, h, i = 6, 128, (192 if gpt else 256)
+    ref_self, gu, dn, b1, b2 = _experts(layout, e, h, i, seed=seed, dtype=torch.bfloat16)
+    b1 = b1 if biases in ("both", "gate_up") else None
+    b2 = b2 if biases in ("both", "down") else None
+    idx, w = _routing(t, k, e, seed=seed + 1)
+    hid = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)).bfloat16()
+    num, off = (e, 0) if shard is None else (e - shard, shard)
+    bias_dtype = jnp.float32 if f32_biases else BF
+    weights = (
+        _j(gu, BF)[off:],
+        _j(dn, BF)[off:],
+        None if b1 is None else _j(b1, bias_dtype)[off:],
+        None if b2 is None else _j(b2, bias_dtype)[off:],
+    )
+    args = (_j(hid, BF), _j(idx).astype(jnp.int32), _j(w))
+    config = tiling.FusedMoeConfig(64 if gpt else 128, 3) if chunked else None
+    fn = lambda *a: moe_experts(*a, **_kw(layout, num, group_offset=off, config=config))  # noqa: E731
+    assert _launches(fn, *args, *weights) == ["moe_decode_fused"]
+    out = fn(*args, *weights)
+    assert out.dtype == BF and out.shape == (t, h)
+
+    # transformers' layer in f32, the other shard's experts at zero.
+    for name, x in (("gate_up_proj", gu), ("down_proj", dn), ("gate_up_proj_bias", b1),
+                    ("down_proj_bias", b2)):  # fmt: skip
+        x = torch.zeros_like(getattr(ref_self, name)) if x is None else x.clone()
+        x[:off] = 0
+        setattr(ref_self, name, x.float())
+    ref = grouped_mm_experts_forward(ref_self, hid.float(), idx, w.float()).numpy()
+    _, has_gate, is_transposed, is_conc, _, act = layout
+    mag = _abs_bound_moe(
+        _j(hid), _j(idx).astype(jnp.int32), _j(w), ref_self.gate_up_proj.numpy(),
+        ref_self.down_proj.numpy(), ref_self.gate_up_proj_bias.numpy(),
+        ref_self.down_proj_bias.numpy(), has_gate=has_gate, is_transposed=is_transposed,
+        is_concatenated=is_conc, activation=act,
+    )  # fmt: skip
+    assert_close(out, ref, dtype=BF, magnitude=mag, roundings=8, what="out")
+    # Those absolute terms hide a wrong bias (its error sums with random
+    # signs); against the same rounding points only the f32 sums' order
+    # differs, which can flip a rounding of an expert's output y or of one
+    # activation: bounded by |y| and the largest single down term.
+    same = reference.moe_experts_reference(
+        *args, *weights, num, has_gate, is_transposed, is_conc, act, off, 1.702, 7.0
+    )
+    mag = _slot_output_terms(*args, *weights, num=num, off=off, layout=layout)
+    assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=4, what="out")
+
+
+def _slot_output_terms(hid, idx, w, gu, dn, b_up, b_dn, *, num, off, layout):
+    """Per output element, sum over local slots of |w| x (|y| + max_i |h_i
+    Wd_i|): y the slot's expert output, h its activation, in f32 from the
+    program's bf16 projections."""
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    r = lambda x: x.astype(BF).astype(jnp.float32)  # noqa: E731
+    _, _, transposed, is_conc, _, act = layout
+    local = jnp.logical_and(idx >= off, idx < off + num)
+    ids = jnp.clip(idx - off, 0, num - 1)
+    eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
+    p = r(jnp.einsum(eq_up, f(hid), f(gu)[ids], precision="highest"))
+    if b_up is not None:
+        p = r(p + r(f(b_up))[ids])
+    g, u = jnp.split(p, 2, axis=-1) if is_conc else (p[..., 0::2], p[..., 1::2])
+    h = r(moe.glu(g, u, activation=act, alpha=1.702, limit=7.0))
+    wd = f(dn)[ids] if transposed else jnp.swapaxes(f(dn)[ids], -1, -2)  # [T, k, I, H]
+    y = jnp.einsum("tki,tkih->tkh", h, wd, precision="highest")
+    if b_dn is not None:
+        y = y + r(f(b_dn))[ids]
+    big = jnp.max(jnp.abs(h)[..., None] * jnp.abs(wd), axis=2)
+    return ((jnp.abs(y) + big) * jnp.where(local, jnp.abs(f(w)), 0.0)[..., None]).sum(1)
 
 
 def test_backward_is_the_two_launch_programs():
@@ -298,15 +432,17 @@ def test_non_finite_tokens_stay_their_own():
     [
         dict(t=tiling.fused_moe_max_tokens(128, 128, 128) + 1),
         dict(dtype=jnp.float32),
-        dict(bias=True),
-        dict(layout=("gpt_oss", True, True, False, False, "gpt_oss")),
+        # The up half's bias would start I = 64 lanes into a row.
+        dict(bias=True, i=64),
+        # A slice's interleaved columns would not fill whole lane tiles.
+        dict(layout=GPT_OSS_LAYOUTS[0], i=96),
         dict(block_scales=True),
     ],
-    ids=["tokens", "f32", "bias", "interleaved", "block_scales"],
+    ids=["tokens", "f32", "bias_off_the_lane_tiles", "interleaved_i_96", "block_scales"],
 )
 def test_layers_the_kernel_does_not_carry_take_two_launches(case):
     layout = case.get("layout", LAYOUTS[0])
-    e, h, i, t, k = 4, 128, 128, case.get("t", 3), 2
+    e, h, i, t, k = 4, 128, case.get("i", 128), case.get("t", 3), 2
     dt = case.get("dtype", BF)
     _, gu, dn, _, _ = _experts(layout, e, h, i, seed=8)
     idx, w = _routing(t, k, e, seed=9)
@@ -329,6 +465,46 @@ def test_hand_written_blocks_are_checked():
     f32 = (*args[:3], _j(gu), _j(dn))
     with pytest.raises(ValueError, match="config: a FusedMoeConfig needs a layer"):
         moe_experts(*f32, **_kw(layout, 4, config=tiling.FusedMoeConfig(128, 3)))
+    # Interleaved gate/up: 64-column slices where down's I is on its rows
+    # (GPT-OSS's [E, I, H]), 128 where it is on its lanes ([E, H, I]).
+    for layout, i, block, want in (
+        (GPT_OSS_LAYOUTS[0], 192, 96, 64),
+        (GPT_OSS_LAYOUTS[1], 256, 64, 128),
+    ):
+        _, gu, dn, _, _ = _experts(layout, 4, 128, i, seed=12)
+        with pytest.raises(ValueError, match=f"I = {i} or a multiple of {want} dividing it"):
+            moe_experts(
+                *args[:3], _j(gu, BF), _j(dn, BF),
+                **_kw(layout, 4, config=tiling.FusedMoeConfig(block, 3)),
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+def test_gpt_oss_decode_blocks(generation):
+    """GPT-OSS-20B (H = I = 2880): bf16 streams the widest slice of I within
+    tiling.FUSED_MOE_ITEM_BYTES (no multiple of 128 divides 2880; 192 of 64
+    does, 3.3 MB an item, where 64-column slices would quarter-fill the MXU)
+    to its token limit, then 960-column slices (less MXU padding) to theirs;
+    MXFP4 whole experts to their limit."""
+    from ragged_dot_tpu import mxfp4
+
+    def rule(t, w_dtype):
+        cfg = tiling.fused_moe_config(
+            t, 2880, 2880, BF, w_dtype, has_gate=True, is_transposed=True,
+            is_concatenated=False, has_bias=True, generation=generation,
+        )  # fmt: skip
+        return cfg and cfg.block_i
+
+    for w_dtype, blocks in ((BF, (192, 960)), (mxfp4.WEIGHT_DTYPE, (2880,))):
+        t = 1
+        for block in blocks:
+            assert rule(t, w_dtype) == block, (t, w_dtype)
+            t = tiling.fused_moe_max_tokens(
+                2880, 2880, block, w_dtype=w_dtype, generation=generation
+            )
+            assert rule(t, w_dtype) == block, (t, w_dtype)
+            t += 1
+        assert rule(t, w_dtype) is None, (t, w_dtype)
 
 
 def test_mxfp4_past_its_token_limit_takes_two_launches():

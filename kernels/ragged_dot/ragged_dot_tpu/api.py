@@ -604,12 +604,16 @@ def _fused_config(arrays, statics) -> tiling.FusedMoeConfig | None:
             )
             raise ValueError(
                 "config: a FusedMoeConfig needs a layer the one-launch kernel carries (bf16"
-                " activations, bf16, per-channel int8/fp8 or MXFP4 weights, no biases, gate/up halves"
-                f" not interleaved, at most {most} tokens with these shapes); got"
-                f" {hidden.shape[0]} tokens of"
+                " activations; bf16, per-channel int8/fp8 or MXFP4 weights; gate/up halves whose"
+                " scales or biases start on 128-lane tiles, or interleaved gate/up with I a"
+                f" multiple of {tiling.GLU_INTERLEAVED_MULTIPLE}; at most {most} tokens with these"
+                f" shapes); got {hidden.shape[0]} tokens of"
                 f" {hidden.dtype.name} with {gate_up.dtype.name} weights"
             )
-        tiling.check_fused_moe_config(config, inter)
+        interleaved = statics["has_gate"] and not statics["is_concatenated"]
+        _, dn_torch, _ = _hbm_view(down, not statics["is_transposed"])
+        multiple = tiling.fused_moe_block_multiple(interleaved, not dn_torch)
+        tiling.check_fused_moe_config(config, inter, multiple)
         return config
     return tiling.fused_moe_config(
         hidden.shape[0],
@@ -649,10 +653,13 @@ def moe_experts_fwd(*arrays, **statics):
         arrays[7],
         arrays[8],
         arrays[9],
+        gate_up_bias=arrays[5],
+        down_bias=arrays[6],
         num_experts=statics["num_experts"],
         has_gate=statics["has_gate"],
         gu_transposed=not gu_torch,
         dn_transposed=not dn_torch,
+        interleaved=statics["has_gate"] and not statics["is_concatenated"],
         activation=statics["activation"],
         alpha=statics["alpha"],
         limit=statics["limit"],

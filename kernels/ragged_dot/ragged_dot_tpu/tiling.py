@@ -861,13 +861,16 @@ class FusedMoeConfig:
     vmem_limit_bytes: int | None = None
 
 
-def check_fused_moe_config(cfg: FusedMoeConfig, inter: int) -> None:
+def check_fused_moe_config(cfg: FusedMoeConfig, inter: int, multiple: int = 128) -> None:
+    """multiple: what a slice of I must be a multiple of (fused_moe_block_multiple)."""
     whole = cfg.block_i == inter
     if not (
-        whole or (cfg.block_i % 128 == 0 and 0 < cfg.block_i < inter and inter % cfg.block_i == 0)
+        whole
+        or (cfg.block_i % multiple == 0 and 0 < cfg.block_i < inter and inter % cfg.block_i == 0)
     ):
         raise ValueError(
-            f"config.block_i: expected I = {inter} or a multiple of 128 dividing it, got {cfg.block_i}"
+            f"config.block_i: expected I = {inter} or a multiple of {multiple} dividing it,"
+            f" got {cfg.block_i}"
         )
     if cfg.buffers < 2:
         raise ValueError(f"config.buffers: expected 2 or more, got {cfg.buffers}")
@@ -889,13 +892,31 @@ def fused_moe_item_bytes(hidden: int, block_i: int, has_gate: bool, w_dtype) -> 
     return weights
 
 
-def fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized=False) -> int:
+def fused_moe_vmem_bytes(
+    tokens, hidden, block_i, buffers, item, quantized=False, mx=False, interleaved=False
+) -> int:
     """The weight ring plus the f32 accumulators, the hidden states and the
-    f32 temporaries of one item (projections, the down product); quantized
-    weights add their slices widened to bf16."""
+    f32 temporaries of one item (projections, the down product; interleaved,
+    the gate/up product before its halves are gathered); int8 / fp8 weights
+    add their slices widened to bf16, MXFP4 ones a piece's decode (f32 and
+    bf16) at a time."""
     rows = round_up(tokens, 16)
-    widened = 3 * block_i * hidden * 2 if quantized else 0
-    return buffers * item + rows * hidden * (4 * 4 + 2) + 3 * rows * block_i * 4 + widened
+    if mx:
+        widened = max(hidden, block_i) * MXFP4_PIECE * (4 + 2)
+    else:
+        widened = 3 * block_i * hidden * 2 if quantized else 0
+    temps = (5 if interleaved else 3) * rows * block_i * 4
+    return buffers * item + rows * hidden * (4 * 4 + 2) + temps + widened
+
+
+def fused_moe_block_multiple(interleaved: bool, dn_transposed: bool) -> int:
+    """What a slice of I (FusedMoeConfig.block_i, short of the whole) is a
+    multiple of: 128, each slice's lanes starting on a lane tile; interleaved
+    gate/up columns with down's I on its rows ([E, I, H]) take
+    GLU_INTERLEAVED_MULTIPLE (a slice's 2 x block_i gate/up columns start on a
+    lane tile, its down rows on a sublane tile; GPT-OSS's I = 2880 has no
+    multiple of 128 below it that divides it, 576 of 64)."""
+    return GLU_INTERLEAVED_MULTIPLE if interleaved and dn_transposed else 128
 
 
 def fused_moe_config(
@@ -914,51 +935,68 @@ def fused_moe_config(
 ) -> FusedMoeConfig | None:
     """The one-launch layer's blocks, or None where the layer runs as two gmm
     launches (more tokens than fused_moe_max_tokens; f32 weights, or quantized
-    ones with 128 x 128 block scales; biases or GPT-OSS's interleaved gate/up,
-    which the kernel does not carry; an I whose gate/up halves, slices or
-    scale slices would not start on a memory tile; no fit in VMEM). int8 /
-    fp8 weights with per-channel scales are carried, and MXFP4 ones in their
-    kernel layout, whole experts per stream item."""
+    ones with 128 x 128 block scales; an I whose gate/up halves, slices,
+    scale or bias slices would not start on a memory tile; no fit in VMEM).
+    int8 / fp8 weights with per-channel scales are carried, and MXFP4 ones in
+    their kernel layout, whole experts per stream item; biases and GPT-OSS's
+    interleaved gate/up columns too."""
     bf16 = jnp.dtype(jnp.bfloat16)
     gen = get_generation(generation)
     mx = mxfp4.is_mxfp4(w_dtype)
     quantized = is_quantized(w_dtype) or mx
-    if tokens < 1 or has_bias or block_scales:
+    interleaved = has_gate and not is_concatenated
+    if tokens < 1 or block_scales:
         return None
     if jnp.dtype(hidden_dtype) != bf16 or not (jnp.dtype(w_dtype) == bf16 or quantized):
         return None
-    if has_gate and not is_concatenated:
+    # Halves: the up half (its scales, its bias) starts I columns into the
+    # expert, on a lane tile. Interleaved: a slice's 2 x block_i columns.
+    if interleaved and inter % GLU_INTERLEAVED_MULTIPLE:
+        return None
+    halves_on_lanes = has_gate and not interleaved and (quantized or has_bias)
+    if halves_on_lanes and inter % 128:
         return None
     if mx:
         # Kernel layout ([E, H/2, 2I], [E, I/2, H]), whole experts: a slice of
         # down's rows would split its scale rows off their 32-row tiles.
-        if not is_transposed or inter % 128:
+        if not is_transposed or (not interleaved and inter % 128):
             return None
-        return _fused_config_of(tokens, hidden, inter, [inter], has_gate, w_dtype, gen)
-    if quantized and inter % 128:  # scale slices start on lane tiles
+        return _fused_config_of(tokens, hidden, inter, [inter], has_gate, w_dtype, gen, interleaved)
+    if quantized and not interleaved and inter % 128:  # scale slices start on lane tiles
         return None
-    # gate_up as the kernel reads it, as XLA stores it (api._hbm_view): True
-    # for [E, H, 2I]. Its up half starts I rows (columns there) into the expert.
+    # gate_up and down as the kernel reads them, as XLA stores them
+    # (api._hbm_view): True for [E, H, 2I] and [E, I, H].
     n = 2 * inter if has_gate else inter
     gu_transposed = is_transposed != weight_minor_swapped(
         (1, *((hidden, n) if is_transposed else (n, hidden)))
     )
-    if has_gate and inter % (128 if gu_transposed or quantized else sublane(w_dtype)):
+    dn_transposed = is_transposed != weight_minor_swapped(
+        (1, *((inter, hidden) if is_transposed else (hidden, inter)))
+    )
+    if (
+        has_gate
+        and not interleaved
+        and inter % (128 if gu_transposed or quantized else sublane(w_dtype))
+    ):
         return None
     item_of = lambda b: fused_moe_item_bytes(hidden, b, has_gate, w_dtype)  # noqa: E731
-    blocks = [inter] + [b for b in range(inter - 128, 0, -128) if inter % b == 0]
+    step = fused_moe_block_multiple(interleaved, dn_transposed)
+    blocks = [inter] + [b for b in range(inter - step, 0, -step) if inter % b == 0]
     # MXU-wide slices where I allows (a narrower one half-fills the MXU): the
-    # widest within the item size, else the narrowest MXU-wide one.
+    # widest within the item size, else (none fits) the widest slice that
+    # does, else the narrowest MXU-wide one.
     wide = [b for b in blocks if b == inter or b % gen.chunk_m == 0]
     fitting = [b for b in wide if item_of(b) <= FUSED_MOE_ITEM_BYTES]
+    fitting = fitting or [b for b in blocks if item_of(b) <= FUSED_MOE_ITEM_BYTES]
     order = list(dict.fromkeys(fitting[:1] + wide[::-1] + blocks[::-1]))
-    return _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen)
+    return _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen, interleaved)
 
 
-def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
+def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen, interleaved=False):
     """The first block_i of `order` that takes `tokens`, with as many buffers as
     cover the DMA latency and fit VMEM; None if none does."""
-    quantized = is_quantized(w_dtype) or mxfp4.is_mxfp4(w_dtype)
+    mx = mxfp4.is_mxfp4(w_dtype)
+    quantized = is_quantized(w_dtype) or mx
     in_flight = int(IN_FLIGHT_S * gen.hbm_bytes_per_s)
     for block_i in order:
         most = fused_moe_max_tokens(
@@ -968,7 +1006,9 @@ def _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen):
             continue
         item = fused_moe_item_bytes(hidden, block_i, has_gate, w_dtype)
         for buffers in range(min(MAX_WEIGHT_BUFFERS, 1 + max(2, -(-in_flight // item))), 1, -1):
-            need = fused_moe_vmem_bytes(tokens, hidden, block_i, buffers, item, quantized)
+            need = fused_moe_vmem_bytes(
+                tokens, hidden, block_i, buffers, item, quantized, mx, interleaved
+            )
             if need <= gen.vmem_budget:
                 return FusedMoeConfig(block_i, buffers, gen.vmem_budget)
     return None
