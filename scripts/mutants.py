@@ -552,6 +552,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "fused layer: the up projection scaled by the gate's scales",
     ),
     Mutant(
+        "moe-up-bias-dropped",
+        RD,
+        "return gmm_as_stored(x, w, group_sizes, gate_up_scale, up_config, bias=gate_up_bias)",
+        "return gmm_as_stored(x, w, group_sizes, gate_up_scale, up_config, bias=None)",
+        (f"{T_MOE}::test_inference_adds_the_gate_up_bias_in_the_gate_up_kernel",),
+        "moe inference: the unfused gate/up gmm never adds the gate/up bias",
+    ),
+    Mutant(
+        "moe-up-bias-twice",
+        MOE,
+        "proj = matmul_up(x, gate_up, group_sizes)",
+        "proj = matmul_up(x, gate_up, group_sizes) + gate_up_bias[ids_clamped].astype(dtype)",
+        (f"{T_MOE}::test_inference_adds_the_gate_up_bias_in_the_gate_up_kernel",),
+        "moe inference: the gate/up bias added in the gmm and again by XLA",
+    ),
+    Mutant(
         "dec-interleaved-slice-offset",
         MOE_DEC,
         "start = pl.multiple_of(2 * col if interleaved else p * inter + col, 128)",

@@ -391,7 +391,10 @@ def _moe_program(
             bias=gate_up_bias,
         )
 
-    down_config = _configs(configs["down"])[0]  # the forward's
+    up_config, down_config = (_configs(configs[p])[0] for p in ("up", "down"))  # the forward's
+
+    def matmul_up(x, w, group_sizes):
+        return gmm_as_stored(x, w, group_sizes, gate_up_scale, up_config, bias=gate_up_bias)
 
     def matmul_down(x, w, group_sizes):
         return gmm_as_stored(x, w, group_sizes, down_scale, down_config, bias=down_bias)
@@ -439,6 +442,12 @@ def _moe_program(
         # GPT-OSS tokens on v6e: 210 + 409 us by their schedules).
         matmul_down=matmul_down
         if inference and down_bias is not None and not quantize_activations
+        else None,
+        # The gate/up bias likewise where the gate/up gmm does not apply the
+        # activation (tpu7x's bf16 GPT-OSS, whose whole-expert slabs it cannot
+        # hold two of).
+        matmul_up=matmul_up
+        if inference and gate_up_bias is not None and not quantize_activations
         else None,
         down_combine=down_combine
         if inference

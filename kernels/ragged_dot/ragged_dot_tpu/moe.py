@@ -125,6 +125,7 @@ def experts_program(
     down_combine=None,
     glu_gathers=False,
     matmul_down=None,
+    matmul_up=None,
 ):
     """routing: "auto" (tiling.route_by_matmul decides) or "gather" (always
     gathers: the reference's choice). matmul_glu: None, or (x, gate_up,
@@ -142,7 +143,9 @@ def experts_program(
     matmul_glu can: bf16 hidden states, H a multiple of 256. matmul_down:
     None, or (activated, down, group_sizes) -> [S, H] in `dtype` with the
     down bias added in the matmul's epilogue, where down_combine is None;
-    not differentiated."""
+    not differentiated. matmul_up: None, or (x, gate_up, group_sizes) ->
+    [S, 2I] in `dtype` with the gate/up bias added in the matmul's epilogue,
+    where matmul_glu is None; not differentiated."""
     t, h = hidden.shape
     k = top_k_index.shape[1]
     # Projections come out in the weights' dtype, as in transformers; quantized
@@ -195,9 +198,12 @@ def experts_program(
         else:
             activated = matmul_glu(x, gate_up, group_sizes)
     else:
-        proj = matmul(x, gate_up, group_sizes, "up")
-        if gate_up_bias is not None:
-            proj = proj + gate_up_bias[ids_clamped].astype(proj.dtype)
+        if matmul_up is not None:
+            proj = matmul_up(x, gate_up, group_sizes)
+        else:
+            proj = matmul(x, gate_up, group_sizes, "up")
+            if gate_up_bias is not None:
+                proj = proj + gate_up_bias[ids_clamped].astype(proj.dtype)
         # Rematerialised in the backward: the gradient keeps the projection (in
         # the weights' dtype) instead of the activation's f32 intermediates.
         activated = jax.checkpoint(activate)(proj)
