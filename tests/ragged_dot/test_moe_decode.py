@@ -165,7 +165,7 @@ def test_quantized_weights_match_the_same_rounding_points(
     )  # fmt: skip
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(
     t=st.sampled_from([1, 3, 8]),
     gate=st.sampled_from(["halves", "none", "gpt_oss"]),
@@ -266,7 +266,7 @@ def _down_terms(
     return (terms * jnp.where(local, jnp.abs(f(w)), 0.0)[..., None]).sum(1)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(
     t=st.sampled_from([1, 2, 3, 5, 8, 13]),
     k=st.integers(1, 4),
