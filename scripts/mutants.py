@@ -560,14 +560,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe inference: the unfused gate/up gmm never adds the gate/up bias",
     ),
     Mutant(
-        "moe-up-bias-twice",
-        MOE,
-        "proj = matmul_up(x, gate_up, group_sizes)",
-        "proj = matmul_up(x, gate_up, group_sizes) + gate_up_bias[ids_clamped].astype(dtype)",
-        (f"{T_MOE}::test_inference_adds_the_gate_up_bias_in_the_gate_up_kernel",),
-        "moe inference: the gate/up bias added in the gmm and again by XLA",
-    ),
-    Mutant(
         "dec-interleaved-slice-offset",
         MOE_DEC,
         "start = pl.multiple_of(2 * col if interleaved else p * inter + col, 128)",
@@ -1839,13 +1831,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm bias: every N slab of a group given the group's first slab's bias",
     ),
     Mutant(
-        "moe-down-bias-twice",
+        "moe-epilogue-bias-twice",
         MOE,
-        "            out = matmul_down(activated, down, group_sizes)\n",
-        "            out = matmul_down(activated, down, group_sizes)\n"
-        "            out = out + down_bias[ids_clamped].astype(out.dtype)\n",
-        (f"{T_MOE}::test_inference_applies_the_activation_in_the_gate_up_kernel",),
-        "moe: inference adds the down bias again after the down gmm added it",
+        "return in_epilogue(x, w, group_sizes)",
+        "return in_epilogue(x, w, group_sizes) + bias[ids_clamped].astype(dtype)",
+        (
+            f"{T_MOE}::test_inference_applies_the_activation_in_the_gate_up_kernel",
+            f"{T_MOE}::test_inference_adds_the_gate_up_bias_in_the_gate_up_kernel",
+        ),
+        "moe: inference adds a bias again after the gmm added it (down, or unfused gate/up)",
     ),
     Mutant(
         "gmm-fp4-glu-decodes-output-columns",
