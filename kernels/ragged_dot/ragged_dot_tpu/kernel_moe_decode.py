@@ -60,9 +60,10 @@ second launch's prologue and epilogue. Here:
 
 What it does not carry (``tiling.fused_moe_config`` says None and the layer
 runs as two gmm launches): more tokens, f32 weights, 128 x 128 block scales,
-gate/up halves, scales or biases that would not start on a lane tile. The backward is the two-launch program's
-(``api``), recomputed from the inputs: decode does not differentiate, and a
-training step at these sizes pays one more forward.
+gate/up halves, scales or biases that would not start on a lane tile. The
+backward is the two-launch program's (``api``), recomputed from the inputs:
+decode does not differentiate, and a training step at these sizes pays one
+more forward.
 """
 
 from __future__ import annotations
@@ -132,10 +133,10 @@ def _kernel(
         e = active[a]
         col = c * block_i if n_chunks > 1 else 0
         if n_chunks > 1:
-            # Down's rows ([E, I, H]) start on any sublane tile; its lanes and
-            # the gate/up halves' start on 128-lane tiles (tiling.fused_moe_config),
-            # interleaved slices at 2 * col.
-            col = pl.multiple_of(col, 16 if interleaved and dn_transposed else 128)
+            # Interleaved slices start at 2 * col on a lane tile, down's rows
+            # ([E, I, H]) on a sublane tile; lanes of halves, scales, biases
+            # and down's [E, H, I] on a lane tile.
+            col = pl.multiple_of(col, tiling.fused_moe_block_multiple(interleaved, dn_transposed))
         dmas = []
         for p in range(n_proj):
             if n_chunks > 1:
