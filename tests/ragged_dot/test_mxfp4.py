@@ -51,6 +51,33 @@ def test_decode_pairs_gives_every_byte_its_two_e2m1_values():
     assert np.array_equal(np.signbit(got), np.signbit(want))
 
 
+def test_decode_pairs_folds_each_scale_into_the_values():
+    """The scales folded into the decode (no multiply): every byte under
+    every scale of a 32-row block is its two e2m1 values times 2^(s - 127),
+    exactly, signs included; scales outside mxfp4.FOLDED_SCALES decode as its
+    nearest end, and a NaN scale (255) makes its block non-finite."""
+    lo, hi = mxfp4.FOLDED_SCALES
+    scales = [lo, lo + 1, 100, 117, 127, 128, 140, hi - 1, hi, 0, 1, 253, 254, 255]
+    # Byte rows j and 16 + j hold byte 16 * col_group + j: every byte in both
+    # of the two 32-value blocks of each column; column c takes scale c (and
+    # in its second block the scale of column c + 1).
+    c = len(scales)
+    b = (jnp.arange(32)[:, None] % 16 + 16 * (jnp.arange(c)[None, :] % 16)).astype(jnp.int32)
+    s = jnp.asarray([scales, scales[1:] + scales[:1]], jnp.uint8)
+    got = np.asarray(jax.jit(mxfp4.decode_pairs)(b, s).astype(jnp.float32))
+    u = np.asarray(b)
+    vals = np.empty((64, c), np.float32)
+    vals[0::2] = np.vectorize(_table_value)(u & 15)
+    vals[1::2] = np.vectorize(_table_value)(u >> 4)
+    blocks = np.repeat(np.asarray(s, np.int64), 32, axis=0)  # [64, c]
+    scale = np.exp2(np.clip(blocks, lo, hi) - 127.0).astype(np.float32)
+    want = (vals * scale).astype(np.float32)
+    nan_scale = blocks == 255
+    assert not np.isfinite(got[nan_scale]).any()
+    np.testing.assert_array_equal(got[~nan_scale], want[~nan_scale])
+    assert np.array_equal(np.signbit(got[~nan_scale]), np.signbit(want[~nan_scale]))
+
+
 def test_quantize_keeps_grid_values_and_round_trips_the_checkpoint_layout():
     rng = np.random.default_rng(0)
     g, k, n = 2, 96, 40

@@ -706,8 +706,7 @@ def _gmm_kernel(
             """The FP4 slab's columns [c0, c0 + width) as bf16 in k order: each
             byte's nibbles decoded, times the scales spread over their 32 rows."""
             b = wbuf[slot, :, pl.ds(c0, width)].astype(jnp.int32)
-            w = mxfp4.decode_pairs(b)
-            w = w * mxfp4.spread_scales(sbuf[slot, :, pl.ds(c0, width)], contraction)
+            w = mxfp4.decode_pairs(b, sbuf[slot, :, pl.ds(c0, width)])
             return w.astype(compute_dtype)
 
         def rows_dot(r0, size, w):

@@ -238,12 +238,12 @@ def _kernel(
     def mx_dot(lhs, w_ref, s_ref):
         """lhs @ the FP4 weights w_ref [K/2, N] with e8m0 scales s_ref [S, N],
         decoded piece by piece of columns (mxfp4.decode_pairs, as gmm does)."""
-        k, n = 2 * w_ref.shape[0], w_ref.shape[1]
+        n = w_ref.shape[1]
         outs = []
         for c0 in range(0, n, tiling.MXFP4_PIECE):
             width = min(tiling.MXFP4_PIECE, n - c0)
-            w = mxfp4.decode_pairs(w_ref[:, pl.ds(c0, width)].astype(jnp.int32))
-            w = w * mxfp4.spread_scales(s_ref[:, pl.ds(c0, width)], k)
+            b = w_ref[:, pl.ds(c0, width)].astype(jnp.int32)
+            w = mxfp4.decode_pairs(b, s_ref[:, pl.ds(c0, width)])
             outs.append(dot(lhs, w.astype(dtype), 0))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 

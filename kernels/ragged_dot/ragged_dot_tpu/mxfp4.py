@@ -15,7 +15,7 @@ extra rows are never read as scales). ``to_kernel_layout`` converts once, at
 load time. In this layout the two nibbles of a byte are the k rows 2j and
 2j + 1, which is exactly how a [K/2, N] int32 array bitcasts to [K, N] bf16
 (``decode_pairs``): the kernel decodes a slab piece into bf16 weights in k
-order, scales it by a sublane broadcast, and runs one plain MXU contraction.
+order, its scales folded into the decode, and runs one plain MXU contraction.
 """
 
 from __future__ import annotations
@@ -67,24 +67,49 @@ _SPREAD_MAG = (1 << 6) | (1 << 18)
 _MAG = 0x01C001C0
 _SPREAD_SIGN = (1 << 12) | (1 << 24)
 _SIGN = -0x7FFF8000  # 0x80008000
-_HALF = (126 << 7) * 0x10001  # bf16 exponent bias that makes e = 1 come out as 2^0
+_PAIR = 0x10001  # a bf16 exponent field times this: the same field in both halves
+_HALF = (126 << 7) * _PAIR  # bf16 exponent bias that makes e = 1 come out as 2^0
+# The scales decode_pairs folds exactly: below, a subnormal code's f would
+# leave bf16's normal range (s = 0, 1: blocks under 2^-125); above, the
+# largest code's exponent field would carry into the sign bit (s = 253, 254:
+# blocks over 2^125, whose products bf16 mostly cannot hold). Those decode as
+# the nearest of the two; no checkpoint scales a block that far.
+FOLDED_SCALES = (2, 252)
 
 
-def decode_pairs(b):
+def decode_pairs(b, s=None):
     """int32 [R, C] holding one byte each (0..255, uint8 widened) -> bf16 [2R, C]:
-    the e2m1 values of their low (even rows) and high (odd rows) nibbles.
+    the e2m1 values of their low (even rows) and high (odd rows) nibbles,
+    times their e8m0 scales s (uint8 [R/16 or more, C], one row per 16 byte
+    rows; None: 1).
 
-    With e1 e0 m placed over the exponent 126, a code reads as
-    f = 2^(e - 1) (1 + m / 2): right for e >= 1, and 0.5 / 0.75 for the
-    subnormal codes 0 / 0.5. min(f, 2f - 1) maps those two to 0 and 0.5 and
-    leaves the others (f >= 1, so 2f - 1 >= f); exact in bf16. The sign is
-    OR-ed in last. Nine VPU ops per pair of values (integer ops on the 32-bit
-    words, the min on packed bf16); no table lookups, which the TPU vector
-    unit lacks."""
+    With e1 e0 m placed over the exponent s - 1 (126 unscaled), a code reads
+    as f = S 2^(e - 1) (1 + m / 2), S = 2^(s - 127): right for e >= 1, and
+    S/2 and 3S/4 for the subnormal codes 0 and S/2. min(f, 2f - S) maps those
+    two to 0 and S/2 and leaves the others (f >= S, so 2f - S >= f); exact in
+    bf16. The sign is OR-ed in last. Nine VPU ops per pair of values (integer
+    ops on the 32-bit words, the min on packed bf16), the scale folded into
+    the exponent bias and the subtrahend rather than multiplied (v6e, one
+    FP4 GPT-OSS expert: 163,303 -> 149,804 VALU ops); no table lookups, which
+    the TPU vector unit lacks. Scales outside FOLDED_SCALES decode as its
+    nearest end; a NaN scale (s = 255) makes S infinite and every value of
+    its block -inf or NaN."""
+    if s is None:
+        bias, sub = _HALF, 1.0
+    else:
+        r, c = b.shape
+        nb = r // (BLOCK // 2)
+        raw = s[:nb].astype(jnp.int32)
+        e = jnp.clip(raw, *FOLDED_SCALES)
+        # One row of both per 16 byte rows (32 values), a sublane broadcast.
+        spread = lambda v: jnp.broadcast_to(v[:, None, :], (nb, BLOCK // 2, c)).reshape(r, c)  # noqa: E731
+        bias = spread(((e - 1) << 7) * _PAIR)
+        sub = spread((jnp.where(raw == 255, 255, e) << 7) * _PAIR)  # 255: +inf
+        sub = _bitcast_rows(sub, jnp.bfloat16)
     mag = (b * _SPREAD_MAG) & _MAG
     sign = (b * _SPREAD_SIGN) & _SIGN
-    f = _bitcast_rows(mag + _HALF, jnp.bfloat16)
-    v = jnp.minimum(f, f + f - 1.0)
+    f = _bitcast_rows(mag + bias, jnp.bfloat16)
+    v = jnp.minimum(f, f + f - sub)
     return _bitcast_rows(_bitcast_rows(v, jnp.int32) | sign, jnp.bfloat16)
 
 
@@ -94,14 +119,6 @@ def _bitcast_rows(x, dtype):
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.bitcast(x, dtype)
-
-
-def spread_scales(s, rows: int, dtype=jnp.bfloat16):
-    """[K/32 (or more), C] e8m0 scales -> [rows = K, C] values, each repeated
-    over its block's 32 rows (a sublane broadcast)."""
-    nb = rows // BLOCK
-    v = scale_values(s[:nb]).astype(dtype)
-    return jnp.broadcast_to(v[:, None, :], (nb, BLOCK, v.shape[1])).reshape(rows, v.shape[1])
 
 
 def dequantize(w, scale, dtype=jnp.float32):
