@@ -74,8 +74,8 @@ FP4 weights (``scale_axis="mx"``, mxfp4.py's kernel layout): rhs
 [G_local, K/2, N] bytes with [G_local, S, N] e8m0 scales. The DMA moves a
 quarter of bf16's bytes (plus 1/64 for scales). Each slab piece is decoded on
 the VPU into bf16 weights in k order (mxfp4.decode_pairs: both nibbles of a
-byte at once, as the halves of a 32-bit word), multiplied by its scales
-repeated over their 32 rows (a sublane broadcast), and contracted as bf16 is.
+byte at once, as the halves of a 32-bit word, each 32-row block's scale
+folded into the decode's exponent bias), and contracted as bf16 is.
 
 GLU epilogue (``glu``, inference's gate/up projection): rhs holds [gate | up]
 halves; each stream item carries, piece by piece, a piece's gate columns
@@ -704,7 +704,7 @@ def _gmm_kernel(
 
         def mx_piece(c0, width):
             """The FP4 slab's columns [c0, c0 + width) as bf16 in k order: each
-            byte's nibbles decoded, times the scales spread over their 32 rows."""
+            byte's nibbles decoded with its 32-row block's scale."""
             b = wbuf[slot, :, pl.ds(c0, width)].astype(jnp.int32)
             w = mxfp4.decode_pairs(b, sbuf[slot, :, pl.ds(c0, width)])
             return w.astype(compute_dtype)
