@@ -507,6 +507,24 @@ def test_gpt_oss_decode_blocks(generation):
         assert rule(t, w_dtype) is None, (t, w_dtype)
 
 
+@pytest.mark.parametrize("generation", ["v6e", "tpu7x"])
+@pytest.mark.parametrize(
+    "hidden, inter, block",
+    [(2048, 768, 256), (2816, 704, 704), (4096, 1792, 256)],
+    ids=["qwen3", "gemma4", "mixtral_tp8"],
+)
+def test_gate_up_halves_keep_mxu_wide_slices(generation, hidden, inter, block):
+    """Gate/up halves in the torch layout take the widest MXU-wide slice
+    within the item size, else I whole (Gemma 4's 704, which no multiple of
+    128 below it divides): never a narrower slice because it fits the item
+    size (GPT-OSS's interleaved fallback)."""
+    cfg = tiling.fused_moe_config(
+        8, hidden, inter, BF, BF, has_gate=True, is_transposed=False, is_concatenated=True,
+        has_bias=False, generation=generation,
+    )  # fmt: skip
+    assert cfg.block_i == block
+
+
 def test_mxfp4_past_its_token_limit_takes_two_launches():
     """MXFP4's limit counts half a byte a weight: a quarter of bf16's tokens."""
     from ragged_dot_tpu import mxfp4

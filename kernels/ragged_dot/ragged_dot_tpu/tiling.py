@@ -983,11 +983,13 @@ def fused_moe_config(
     step = fused_moe_block_multiple(interleaved, dn_transposed)
     blocks = [inter] + [b for b in range(inter - step, 0, -step) if inter % b == 0]
     # MXU-wide slices where I allows (a narrower one half-fills the MXU): the
-    # widest within the item size, else (none fits) the widest slice that
-    # does, else the narrowest MXU-wide one.
+    # widest within the item size, else the narrowest MXU-wide one.
+    # Interleaved columns where I has no MXU-wide slice but itself (GPT-OSS's
+    # 2880 in 64-column steps): the widest slice within the item size.
     wide = [b for b in blocks if b == inter or b % gen.chunk_m == 0]
     fitting = [b for b in wide if item_of(b) <= FUSED_MOE_ITEM_BYTES]
-    fitting = fitting or [b for b in blocks if item_of(b) <= FUSED_MOE_ITEM_BYTES]
+    if not fitting and interleaved and wide == [inter]:
+        fitting = [b for b in blocks if item_of(b) <= FUSED_MOE_ITEM_BYTES]
     order = list(dict.fromkeys(fitting[:1] + wide[::-1] + blocks[::-1]))
     return _fused_config_of(tokens, hidden, inter, order, has_gate, w_dtype, gen, interleaved)
 
