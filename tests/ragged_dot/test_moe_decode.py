@@ -245,25 +245,43 @@ def _down_terms(
     down product's by u |g| |u| each: 5 roundings of |g| |u| (relu2: p^2,
     4), one more for each bias added. biases: (gate/up bias, down bias), each
     None or [E_local, N]."""
-    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     b_up, b_dn = (tuple(biases) + (None, None))[:2]
-    local = jnp.logical_and(idx >= off, idx < off + num)
-    ids = jnp.clip(idx - off, 0, num - 1)
-    eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
-    eq_dn = "tki,tkih->tkh" if transposed else "tki,tkhi->tkh"
-    p = jnp.einsum(eq_up, f(hid), f(gu)[ids], precision="highest")
-    if b_up is not None:
-        p = p + f(b_up).astype(BF).astype(jnp.float32)[ids]
-    p = p.astype(BF).astype(jnp.float32)
+    local, ids, p = _slot_projections(hid, idx, gu, b_up, num=num, off=off, transposed=transposed)
     if has_gate:
-        g, u = (p[..., 0::2], p[..., 1::2]) if interleaved else jnp.split(p, 2, axis=-1)
+        g, u = _gate_and_up(p, interleaved)
         scale = jnp.abs(g) * (jnp.abs(u) + (act == "gpt_oss"))
     else:
         scale = p * p if act == "relu2" else jnp.abs(p)
-    terms = jnp.einsum(eq_dn, scale, jnp.abs(f(dn))[ids], precision="highest")
+    eq_dn = "tki,tkih->tkh" if transposed else "tki,tkhi->tkh"
+    terms = jnp.einsum(eq_dn, scale, jnp.abs(_f32(dn))[ids], precision="highest")
     if b_dn is not None:
-        terms = terms + jnp.abs(f(b_dn))[ids]
-    return (terms * jnp.where(local, jnp.abs(f(w)), 0.0)[..., None]).sum(1)
+        terms = terms + jnp.abs(_f32(b_dn))[ids]
+    return (terms * jnp.where(local, jnp.abs(_f32(w)), 0.0)[..., None]).sum(1)
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def _bf16_rounded(x):
+    return _f32(x).astype(BF).astype(jnp.float32)
+
+
+def _slot_projections(hid, idx, gu, b_up, *, num, off, transposed):
+    """(which slots' experts are local, their clamped local ids, each slot's
+    gate/up projection rounded where the program rounds it: the bf16
+    product, then plus the bf16 bias, rounded again)."""
+    local = jnp.logical_and(idx >= off, idx < off + num)
+    ids = jnp.clip(idx - off, 0, num - 1)
+    eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
+    p = _bf16_rounded(jnp.einsum(eq_up, _f32(hid), _f32(gu)[ids], precision="highest"))
+    if b_up is not None:
+        p = _bf16_rounded(p + _bf16_rounded(b_up)[ids])
+    return local, ids, p
+
+
+def _gate_and_up(p, interleaved):
+    return (p[..., 0::2], p[..., 1::2]) if interleaved else jnp.split(p, 2, axis=-1)
 
 
 @settings(max_examples=2, deadline=None)
@@ -352,23 +370,16 @@ def _slot_output_terms(hid, idx, w, gu, dn, b_up, b_dn, *, num, off, layout):
     """Per output element, sum over local slots of |w| x (|y| + max_i |h_i
     Wd_i|): y the slot's expert output, h its activation, in f32 from the
     program's bf16 projections."""
-    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    r = lambda x: x.astype(BF).astype(jnp.float32)  # noqa: E731
     _, _, transposed, is_conc, _, act = layout
-    local = jnp.logical_and(idx >= off, idx < off + num)
-    ids = jnp.clip(idx - off, 0, num - 1)
-    eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
-    p = r(jnp.einsum(eq_up, f(hid), f(gu)[ids], precision="highest"))
-    if b_up is not None:
-        p = r(p + r(f(b_up))[ids])
-    g, u = jnp.split(p, 2, axis=-1) if is_conc else (p[..., 0::2], p[..., 1::2])
-    h = r(moe.glu(g, u, activation=act, alpha=1.702, limit=7.0))
-    wd = f(dn)[ids] if transposed else jnp.swapaxes(f(dn)[ids], -1, -2)  # [T, k, I, H]
+    local, ids, p = _slot_projections(hid, idx, gu, b_up, num=num, off=off, transposed=transposed)
+    g, u = _gate_and_up(p, interleaved=not is_conc)
+    h = _bf16_rounded(moe.glu(g, u, activation=act, alpha=1.702, limit=7.0))
+    wd = _f32(dn)[ids] if transposed else jnp.swapaxes(_f32(dn)[ids], -1, -2)  # [T, k, I, H]
     y = jnp.einsum("tki,tkih->tkh", h, wd, precision="highest")
     if b_dn is not None:
-        y = y + r(f(b_dn))[ids]
+        y = y + _bf16_rounded(b_dn)[ids]
     big = jnp.max(jnp.abs(h)[..., None] * jnp.abs(wd), axis=2)
-    return ((jnp.abs(y) + big) * jnp.where(local, jnp.abs(f(w)), 0.0)[..., None]).sum(1)
+    return ((jnp.abs(y) + big) * jnp.where(local, jnp.abs(_f32(w)), 0.0)[..., None]).sum(1)
 
 
 def test_backward_is_the_two_launch_programs():
