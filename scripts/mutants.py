@@ -248,6 +248,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm gather: a word group's two 128-column halves unpacked in swapped order",
     ),
     Mutant(
+        "gmm-gather-row-token",
+        GMM,
+        "                tok = ids_ref[0, c + j]",
+        "                tok = ids_ref[0, c + j // 2]",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_as_xla_would",),
+        "gmm gather: each pair of rows copies the first one's token (the copy loop's index,"
+        " rolled in interpret mode, unrolled on the TPU: the same body)",
+    ),
+    Mutant(
         "gmm-vmem-gather-one-tile",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
         "        need = (2 * bm + chunk) * _row_bytes(k)",
