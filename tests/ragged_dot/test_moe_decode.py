@@ -246,7 +246,9 @@ def _down_terms(
     4), one more for each bias added. biases: (gate/up bias, down bias), each
     None or [E_local, N]."""
     b_up, b_dn = (tuple(biases) + (None, None))[:2]
-    local, ids, p = _slot_projections(hid, idx, gu, b_up, num=num, off=off, transposed=transposed)
+    local, ids, p = _slot_projections(
+        hid, idx, gu, b_up, num=num, off=off, transposed=transposed, round_product=False
+    )
     if has_gate:
         g, u = _gate_and_up(p, interleaved)
         scale = jnp.abs(g) * (jnp.abs(u) + (act == "gpt_oss"))
@@ -267,17 +269,20 @@ def _bf16_rounded(x):
     return _f32(x).astype(BF).astype(jnp.float32)
 
 
-def _slot_projections(hid, idx, gu, b_up, *, num, off, transposed):
+def _slot_projections(hid, idx, gu, b_up, *, num, off, transposed, round_product=True):
     """(which slots' experts are local, their clamped local ids, each slot's
-    gate/up projection rounded where the program rounds it: the bf16
-    product, then plus the bf16 bias, rounded again)."""
+    gate/up projection in bf16: the product rounded where the program rounds
+    it (round_product), plus the bf16 bias, rounded again; without
+    round_product the f32 product plus the bias is rounded once)."""
     local = jnp.logical_and(idx >= off, idx < off + num)
     ids = jnp.clip(idx - off, 0, num - 1)
     eq_up = "th,tkho->tko" if transposed else "th,tkoh->tko"
-    p = _bf16_rounded(jnp.einsum(eq_up, _f32(hid), _f32(gu)[ids], precision="highest"))
+    p = jnp.einsum(eq_up, _f32(hid), _f32(gu)[ids], precision="highest")
+    if round_product:
+        p = _bf16_rounded(p)
     if b_up is not None:
-        p = _bf16_rounded(p + _bf16_rounded(b_up)[ids])
-    return local, ids, p
+        p = p + _bf16_rounded(b_up)[ids]
+    return local, ids, _bf16_rounded(p)
 
 
 def _gate_and_up(p, interleaved):
