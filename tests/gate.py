@@ -22,6 +22,16 @@ def spec(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
+def forward_and_grads(layer, *args):
+    """layer(*args) and the gradient of its sum w.r.t. every arg, from one
+    forward (jax.vjp), as a training step runs it. A forward next to
+    jax.grad(loss) holds the forward's launches twice, and where XLA does not
+    merge them libtpu compiles both: GPT-OSS's MXFP4 layer on v6e took 43.7
+    CPU-s that way, 29.7 this way (2026-12-07), the same launches compiled."""
+    out, vjp = jax.vjp(layer, *args)
+    return out, vjp(jnp.ones_like(out))
+
+
 def assert_compiles(fn, args, generation: str):
     result = try_tpu_compile(fn, args, generation)
     if not result.ok:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gate import GENERATIONS, GateProgram, assert_compiles, session_pool, spec
+from gate import GENERATIONS, GateProgram, assert_compiles, forward_and_grads, session_pool, spec
 from ragged_dot_tpu import mxfp4, tiling
 from ragged_dot_tpu.api import moe_experts, ragged_dot
 from ragged_dot_tpu.kernel_gmm import gmm
@@ -330,8 +330,7 @@ def _mxfp4_layer_program(point) -> GateProgram:
 
     def fn(hid, idx, w, gu, dn, gu_b, dn_b, gu_s, dn_s):
         layer = lambda hid, w: moe_experts(hid, idx, w, gu, dn, gu_b, dn_b, gu_s, dn_s, **kw)  # noqa: E731
-        loss = lambda hid, w: jnp.sum(layer(hid, w).astype(jnp.float32))  # noqa: E731
-        return layer(hid, w), jax.grad(loss, argnums=(0, 1))(hid, w)
+        return forward_and_grads(layer, hid, w)
 
     args = [spec((t, h)), spec((t, top_k), jnp.int32), spec((t, top_k)), gu, dn]
     if gpt:
@@ -496,11 +495,8 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
     )
 
     def fn(hid, idx, w, gu, dn):
-        out = moe_experts(hid, idx, w, gu, dn, **kw)
-        loss = lambda hid, w, gu, dn: jnp.sum(
-            moe_experts(hid, idx, w, gu, dn, **kw).astype(jnp.float32)
-        )
-        return out, jax.grad(loss, argnums=(0, 1, 2, 3))(hid, w, gu, dn)
+        layer = lambda hid, w, gu, dn: moe_experts(hid, idx, w, gu, dn, **kw)  # noqa: E731
+        return forward_and_grads(layer, hid, w, gu, dn)
 
     args = [
         spec((t, h)),
@@ -513,8 +509,7 @@ def _moe_layer_program(generation, weight_dtype=None) -> GateProgram:
 
         def fn(hid, idx, w, gu, dn, gu_s, dn_s):
             layer = lambda hid, w: moe_experts(hid, idx, w, gu, dn, None, None, gu_s, dn_s, **kw)  # noqa: E731
-            loss = lambda hid, w: jnp.sum(layer(hid, w).astype(jnp.float32))  # noqa: E731
-            return layer(hid, w), jax.grad(loss, argnums=(0, 1))(hid, w)
+            return forward_and_grads(layer, hid, w)
 
         wdt = jnp.dtype(weight_dtype)
         args[3:] = [spec((e, 2 * i, h), wdt), spec((e, h, i), wdt)]
