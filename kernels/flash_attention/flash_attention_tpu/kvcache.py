@@ -10,8 +10,10 @@ tiling.decode_plan, argument rules from checks.check_kvcache_inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
 from . import checks, kernel_decode, tiling
@@ -103,6 +105,22 @@ def decode_params(
     )
 
 
+# One program per call signature: called eagerly, the schedule, table and
+# combine around the kernel were some thirty small programs, each compiled
+# for every new shape.
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "causal",
+        "window_size",
+        "softcap",
+        "softmax_scale",
+        "return_lse",
+        "cache_layout",
+        "config",
+        "interpret",
+    ),
+)
 def flash_attention_kvcache(
     q,
     k_cache,

@@ -15,6 +15,7 @@ limited by summation order (the CPU interpreter does exact f32 matmuls).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -57,7 +58,7 @@ def visibility_mask(
         m &= kj >= qi - left
     if right >= 0:
         m &= kj <= qi + right
-    m = jnp.asarray(m)[None]
+    m = jnp.asarray(m[None])  # indexed in numpy: called eagerly, no XLA op
     if q_segment_ids is not None:
         m = m & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
     return m
@@ -147,6 +148,11 @@ def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     return jnp.concatenate(outs, axis=0), jnp.concatenate(lses, axis=1)
 
 
+# jitted: one program per shape, not one per op (eager mode compiles every op).
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "window_size", "softcap", "softmax_scale", "cache_layout"),
+)
 def attention_kvcache_reference(
     q,
     k_cache,

@@ -20,6 +20,8 @@ order, its scales folded into the decode, and runs one plain MXU contraction.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -121,6 +123,8 @@ def _bitcast_rows(x, dtype):
     return pltpu.bitcast(x, dtype)
 
 
+# jitted: one program per shape, not one per op (eager mode compiles every op).
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(w, scale, dtype=jnp.float32):
     """Kernel layout ([G, K/2, N] bytes, [G, S, N] scales) -> [G, K, N] values."""
     b = w.astype(jnp.int32)
@@ -132,6 +136,7 @@ def dequantize(w, scale, dtype=jnp.float32):
     return (full * s).astype(dtype)
 
 
+@jax.jit
 def quantize(w):
     """[G, K, N] real weights -> the kernel layout: (uint8 [G, K/2, N], uint8
     e8m0 scales [G, scale_rows(K), N]).

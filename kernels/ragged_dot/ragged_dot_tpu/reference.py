@@ -17,6 +17,9 @@ Tolerances (kernel vs this reference; both accumulate in f32):
 
 from __future__ import annotations
 
+import functools
+
+import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +67,9 @@ def as_kn(rhs, rhs_scale=None):
     return rhs, rhs_scale
 
 
+# jitted: one program per shape, not one per op (eager mode compiles every op
+# anew for each shape, and checks call these with many shapes).
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "quantize_lhs"))
 def ragged_dot_reference(
     lhs,
     rhs,
@@ -134,6 +140,7 @@ def tgmm_reference(
     return jnp.asarray(out).astype(preferred_element_type or lhs.dtype)
 
 
+@functools.partial(jax.jit, static_argnums=tuple(range(7, 15)) + (17,))
 def moe_experts_reference(
     hidden,
     top_k_index,

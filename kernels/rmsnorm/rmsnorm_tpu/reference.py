@@ -10,6 +10,8 @@ weight-gradient sum (see tests).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,9 @@ TOLERANCES = {
 }
 
 
+# jitted: one program per shape, not one per op (eager mode compiles every op
+# anew for each shape, and checks call these with many shapes).
+@functools.partial(jax.jit, static_argnames=("eps", "gemma"))
 def rms_norm_ref(x, weight, eps: float = 1e-6, gemma: bool = False):
     xf = x.astype(jnp.float32)
     w = weight.astype(jnp.float32)
@@ -29,11 +34,13 @@ def rms_norm_ref(x, weight, eps: float = 1e-6, gemma: bool = False):
     return y.astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("eps", "gemma"))
 def fused_add_rms_norm_ref(x, residual, weight, eps: float = 1e-6, gemma: bool = False):
     s = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
     return rms_norm_ref(s, weight, eps, gemma), s
 
 
+@functools.partial(jax.jit, static_argnames=("eps", "gemma"))
 def rms_norm_bwd_ref(dy, ds, s, weight, eps: float = 1e-6, gemma: bool = False):
     """(dx, dweight) by autodiff of the f32 reference."""
     f = lambda s_, w_: rms_norm_ref(s_.astype(jnp.float32), w_.astype(jnp.float32), eps, gemma)
