@@ -3,8 +3,10 @@ family's layout, routings, and the per-element bound's magnitudes."""
 
 from __future__ import annotations
 
+import functools
 import types
 
+import jax
 import jax.numpy as jnp
 import torch
 from transformers.activations import ACT2FN
@@ -82,6 +84,10 @@ def layer_kwargs(layout, e, **extra):
     )
 
 
+# jitted: one program per shape; eager, each of its ops compiled per shape.
+@functools.partial(
+    jax.jit, static_argnames=("has_gate", "is_transposed", "is_concatenated", "activation")
+)
 def abs_bound_moe(
     hidden, idx, w, gu, dn, b1, b2, *, has_gate, is_transposed, is_concatenated, activation
 ):

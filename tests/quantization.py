@@ -5,6 +5,9 @@ MoE layer's comparison with its reference."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
@@ -14,6 +17,8 @@ from ragged_dot_tpu import tiling
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
 
+# jitted: one program per shape; eager, each of its ops compiled per shape.
+@functools.partial(jax.jit, static_argnames=("dtype", "out_axis"))
 def quantize(w, dtype, out_axis):
     """Symmetric per-output-channel quantization of f32 weights [G, a, b]:
     (quantized weights, [G, out] f32 scales) with w ~= q * scale on out_axis."""
@@ -27,6 +32,7 @@ def quantize(w, dtype, out_axis):
     return q.astype(dtype), jnp.squeeze(scale, in_axis)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def quantize_blocks(w, dtype):
     """Symmetric quantization per 128 x 128 block of [G, A, B] (A, B multiples
     of 128): (quantized, [G, A/128, B/128] f32 scales), FP8 checkpoints' format."""

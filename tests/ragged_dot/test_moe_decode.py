@@ -13,6 +13,8 @@ gradients must equal that program's bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,6 +236,11 @@ def _assert_the_programs(out, args, weights, gu, dn, *, layout, num, off):
     )
 
 
+# The bounds are jitted: one program per shape; eager, each of their ops is
+# compiled per shape (most of this module's time, 2026-12-07).
+@functools.partial(
+    jax.jit, static_argnames=("num", "off", "has_gate", "transposed", "act", "interleaved")
+)
 def _down_terms(
     hid, idx, w, gu, dn, *, num, off, has_gate, transposed, act, interleaved=False, biases=()
 ):
@@ -371,6 +378,7 @@ def test_interleaved_gate_up_and_biases_in_the_one_launch(
     assert_close(out, same.astype(jnp.float32), dtype=BF, magnitude=mag, roundings=4, what="out")
 
 
+@functools.partial(jax.jit, static_argnames=("num", "off", "layout"))
 def _slot_output_terms(hid, idx, w, gu, dn, b_up, b_dn, *, num, off, layout):
     """Per output element, sum over local slots of |w| x (|y| + max_i |h_i
     Wd_i|): y the slot's expert output, h its activation, in f32 from the

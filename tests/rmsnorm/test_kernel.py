@@ -1,5 +1,7 @@
 """Pallas RMSNorm kernels (interpret mode) against the plain-JAX reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,8 +53,14 @@ shapes = st.tuples(
 
 
 def _inputs(lead, hidden, dtype, seed, with_residual=False, x_scale=1.0):
+    return _draw(seed, (*lead, hidden), dtype, with_residual, x_scale)
+
+
+# jitted: one program per shape; eager, each of its ops compiled per shape.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _draw(seed, shape, dtype, with_residual, x_scale):
     ks = jax.random.split(jax.random.key(seed), 4)
-    shape = (*lead, hidden)
+    hidden = shape[-1]
     x = (x_scale * jax.random.normal(ks[0], shape, jnp.float32)).astype(dtype)
     w = (1.0 + 0.1 * jax.random.normal(ks[1], (hidden,), jnp.float32)).astype(dtype)
     r = (
