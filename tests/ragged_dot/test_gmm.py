@@ -487,13 +487,15 @@ def test_qwen3_decode_meets_bandwidth_targets(generation, tokens):
         assert launch.flops <= 2 * rows_bound * k * n
 
 
-def test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled():
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["KN", "NK"])
+def test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled(transpose_rhs):
     """Where the MXUs bind (tpu7x, Qwen3's down gmm at 8,192 tokens: 2,048-row
     tiles, 512 rows an expert on average), the kernel takes each group's tail
     into its last whole pass, or a whole pass more where the tail is wider
-    than the largest merged size (GmmConfig.merged_tails): the walked
-    launch's MXU flops are the ones pass_sizes gives with the merged sizes,
-    and it issues fewer passes than without."""
+    than the largest merged size (GmmConfig.merged_tails), and with [N, K]
+    weights a group part of over half a chunk that has no whole pass takes
+    one: the walked launch's MXU flops are the ones pass_sizes gives, and it
+    issues fewer passes than without."""
     from bench import grid_walk
 
     k, n = QWEN3["down"]
@@ -504,13 +506,16 @@ def test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled():
     cfg = tiling.gmm_config(m, k, n, 128, jnp.bfloat16, generation="tpu7x")
     assert cfg.merged_tails == (2, 8), cfg
     [launch] = grid_walk.analyze(
-        functools.partial(gmm, config=cfg),
+        functools.partial(gmm, config=cfg, transpose_rhs=transpose_rhs),
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-        jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128, n, k) if transpose_rhs else (128, k, n), jnp.bfloat16),
         jnp.asarray(sizes, jnp.int32),
     )
-    s = gmm_dma_schedule(sizes, m, k, n, 128, cfg)
+    s = gmm_dma_schedule(sizes, m, k, n, 128, cfg, transpose_rhs=transpose_rhs)
     assert s["mxu_flops"] == launch.flops
+    other = gmm_dma_schedule(sizes, m, k, n, 128, cfg, transpose_rhs=not transpose_rhs)
+    # More MXU rows with [N, K] weights: whole passes where two narrow ones were.
+    assert (s["mxu_flops"] > other["mxu_flops"]) == transpose_rhs
     ends = np.cumsum(sizes)
     bm, chunk = cfg.block_m, cfg.chunk_m
     passes = {(): 0, cfg.merged_tails: 0}
@@ -527,26 +532,28 @@ def test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled():
 
 
 @pytest.mark.parametrize(
-    "chunk_tiles, merged, bm",
+    "chunk_tiles, merged, bm, alone_whole",
     [
-        (1, (), 64),
-        (3, (), 64),
-        (8, (), 64),
-        (16, (), 64),
-        (3, (1,), 64),
-        (4, (1, 3), 128),
-        (8, (1, 4), 128),
+        (1, (), 64, False),
+        (3, (), 64, False),
+        (8, (), 64, False),
+        (16, (), 64, False),
+        (3, (1,), 64, False),
+        (4, (1, 3), 128, False),
+        (8, (1, 4), 128, False),
+        (8, (1, 4), 128, True),
     ],
-    ids=["1", "3", "8", "16", "3-merged", "4-merged", "8-merged"],
+    ids=["1", "3", "8", "16", "3-merged", "4-merged", "8-merged", "8-merged-alone-whole"],
 )
-def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles, merged, bm):
+def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles, merged, bm, alone_whole):
     """row_passes' contract, which tgmm's accumulation relies on: over the
     passes it emits, each row of [r_lo, r_hi) is kept exactly once and no
     other row ever (its tail window reaches back over rows already done and
     rows before the group); the passes stay inside the tile, and their sizes
     are pass_sizes' (the performance model's MXU rows). Every [r_lo, r_hi)
     of the tile, 8-row sublane tiles, in one interpret-mode launch; with
-    merged tails, in a tile that holds a chunk and the largest of them."""
+    merged tails, in a tile that holds a chunk and the largest of them (and
+    with a group of over half a chunk as one whole pass, alone_whole)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -572,7 +579,9 @@ def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles, merged, bm):
                 # Rows a pass would reach outside the tile (interpret mode clamps).
                 out_ref[i] += jnp.maximum(-r0, 0) + jnp.maximum(r0 + size - bm, 0)
 
-            row_passes(r_lo, r_hi, sub=sub, chunk=chunk, emit=emit, merged=merged)
+            row_passes(
+                r_lo, r_hi, sub=sub, chunk=chunk, emit=emit, merged=merged, alone_whole=alone_whole
+            )
             return carry
 
         lax.fori_loop(0, len(cases), case, 0)
@@ -597,13 +606,21 @@ def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles, merged, bm):
         want = np.zeros(bm, np.int32)
         want[lo:hi] = 1
         np.testing.assert_array_equal(kept[i], want, err_msg=f"rows [{lo}, {hi})")
-        assert rows[i] == sum(pass_sizes(lo, hi, sub=sub, chunk=chunk, merged=merged)), (lo, hi)
+        want_rows = pass_sizes(lo, hi, sub=sub, chunk=chunk, merged=merged, alone_whole=alone_whole)
+        assert rows[i] == sum(want_rows), (lo, hi)
         assert outside[i] == 0, (lo, hi)
     if merged:
         # The merged sizes are taken: a group of a chunk and one tile is one pass.
         assert pass_sizes(0, chunk + sub, sub=sub, chunk=chunk, merged=merged) == [
             chunk + merged[0] * sub
         ]
+        # alone_whole: a group under a chunk but over half of one is one whole
+        # pass, not a half-chunk pass and another.
+        if chunk_tiles > 3:
+            alone = pass_sizes(
+                sub, chunk, sub=sub, chunk=chunk, merged=merged, alone_whole=alone_whole
+            )
+            assert alone == [chunk] if alone_whole else len(alone) == 2, alone
 
 
 # --- bad input -----------------------------------------------------------

@@ -38,7 +38,14 @@ that:
   ``chunk_m`` + 32 or + 128 rows: a narrow pass is bound by pushing the
   weights (and on [N, K] weights under 256 rows by transposing them on the
   XLU), not by its rows. Qwen3's tpu7x launches at 8,192 tokens, scheduled:
-  gate/up 614.9 -> 547.9 us, down 343.7 -> 309.0.
+  gate/up 614.9 -> 547.9 us, down 343.7 -> 309.0. There a group part of
+  under a chunk but over half of one (a row tile boundary splits most
+  groups) with [N, K] weights is one whole pass rather than half a chunk
+  and the rest (a 128-row pass against a [512, 2048] piece of them
+  schedules 1,654 cycles on tpu7x, its XLU transposes included, a 256-row
+  one 1,966; of [K, N] weights 1,289 and 1,895, where two narrow passes
+  won): Qwen3's launches in the model's layout 618.4 -> 610.0 and 309.0
+  -> 305.8 us.
 * Every output tile is zeroed before groups write into it, so rows past
   ``sum(group_sizes)`` and rows of other shards' groups are exactly zero.
 
@@ -191,7 +198,7 @@ def lhs_row_tile(t_i, ends_ref, goff_ref, *, m, block_m, num_groups, num_local):
     return jnp.clip(t_i, first, last)
 
 
-def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
+def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None, alone_whole=False):
     """Calls emit(r0, size, fresh) over sublane-aligned passes covering
     [r_lo, r_hi); rows of a pass before `fresh` were covered by an earlier
     pass, so emit keeps rows [max(r_lo, fresh), r_hi) of it.
@@ -213,8 +220,12 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
     pushed once for both, where a separate tail pass is bound by pushing them
     (and, on tpu7x with [N, K] weights narrower than 256 rows, by
     transposing them on the XLU). A wider tail takes one more whole pass,
-    ending at the group's last tile. The caller guarantees the tile holds
-    `chunk` + merged[-1] tiles.
+    ending at the group's last tile. With `alone_whole` (the weights [N, K],
+    which a narrow pass transposes on the XLU), a group without a whole pass
+    whose rows are more than half a chunk takes one whole pass too, reaching
+    back over rows before it (or from the tile's first row) instead of half a
+    chunk and the rest, two passes that each transpose the weights. The
+    caller guarantees the tile holds `chunk` + merged[-1] tiles.
     """
     # lax.div, not //: floor division lowers through sign(), which Mosaic
     # resolves against the attached chip (none when compiling ahead of time).
@@ -226,9 +237,10 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
     n_small = n_sub - n_big * per_chunk
 
     def whole(i, c):
-        # A pass past the whole ones (a wide merged tail) ends at the group's last tile.
+        # A pass past the whole ones (a wide merged tail, or a group of under a
+        # chunk) ends at the group's last tile, or starts at the tile's first row.
         r0 = a_lo + i * chunk
-        emit(pl.multiple_of(jnp.minimum(r0, a_hi - chunk), sub), chunk, r0)
+        emit(pl.multiple_of(jnp.maximum(jnp.minimum(r0, a_hi - chunk), 0), sub), chunk, r0)
         if on_whole is not None:
             on_whole()
         return c
@@ -237,12 +249,17 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
         lax.fori_loop(0, n_big, whole, 0)
         return
     r0 = a_lo + n_big * chunk
+    widest = 1 << ((per_chunk - 1).bit_length() - 1)  # tail sizes: 1, 2, 4, ..., widest tiles
     alone = None
     if merged:
         has_big = n_big > 0
         wide = jnp.logical_and(has_big, n_small > merged[-1])
         merge = jnp.logical_and(jnp.logical_and(has_big, n_small > 0), jnp.logical_not(wide))
-        lax.fori_loop(0, n_big - merge.astype(jnp.int32) + wide.astype(jnp.int32), whole, 0)
+        # A group under a chunk but over half of one: one whole pass.
+        whole_alone = jnp.logical_and(jnp.logical_not(has_big), n_small > widest)
+        whole_alone = jnp.logical_and(whole_alone, alone_whole)
+        extra = wide.astype(jnp.int32) + whole_alone.astype(jnp.int32)
+        lax.fori_loop(0, n_big - merge.astype(jnp.int32) + extra, whole, 0)
         last_r0 = a_lo + jnp.maximum(n_big - 1, 0) * chunk
         below = 0
         for tiles in merged:
@@ -255,10 +272,9 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
                     on_whole()
 
             below = tiles
-        alone = jnp.logical_not(has_big)
+        alone = jnp.logical_not(jnp.logical_or(has_big, whole_alone))
     else:
         lax.fori_loop(0, n_big, whole, 0)
-    widest = 1 << ((per_chunk - 1).bit_length() - 1)  # tail sizes: 1, 2, 4, ..., widest tiles
     lead = n_small > widest
     if alone is not None:  # the tails of groups without a whole pass
         lead = jnp.logical_and(alone, lead)
@@ -294,7 +310,9 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None):
         lax.fori_loop(0, count, widest_pass, 0)
 
 
-def pass_sizes(r_lo: int, r_hi: int, *, sub: int, chunk: int, merged=()) -> list[int]:
+def pass_sizes(
+    r_lo: int, r_hi: int, *, sub: int, chunk: int, merged=(), alone_whole=False
+) -> list[int]:
     """The rows of each pass row_passes emits for [r_lo, r_hi), on the host
     (the performance model's MXU rows; tests compare it with the kernel's
     traced flops)."""
@@ -302,13 +320,15 @@ def pass_sizes(r_lo: int, r_hi: int, *, sub: int, chunk: int, merged=()) -> list
     n_sub = -(-r_hi // sub) - r_lo // sub if r_hi > r_lo else 0
     per_chunk = chunk // sub
     n_big, n_small = divmod(n_sub, per_chunk)
+    widest = 1 << max((per_chunk - 1).bit_length() - 1, 0)
     if merged and per_chunk > 1 and n_big and n_small:
         if n_small > merged[-1]:
             return [chunk] * (n_big + 1)
         return [chunk] * (n_big - 1) + [chunk + min(t for t in merged if t >= n_small) * sub]
+    if merged and alone_whole and per_chunk > 1 and n_small > widest:  # no whole pass: one
+        return [chunk]
     sizes = [chunk] * n_big
     if n_small:
-        widest = 1 << ((per_chunk - 1).bit_length() - 1)
         if n_small > widest:
             sizes.append(widest * sub)
             n_small -= widest
@@ -857,6 +877,7 @@ def _gmm_kernel(
                 emit=emit,
                 merged=merged_tails,
                 on_whole=issue_next if gather_rw else None,
+                alone_whole=transpose_rhs,
             )
             return
         # Decoding straight into the MXU wins while a group takes one or two
@@ -1347,6 +1368,7 @@ def gmm_dma_schedule(
     lhs_bytes=2,
     rhs_bytes=2,
     out_bytes=2,
+    transpose_rhs=False,
 ):
     """Walks the gmm grid on the host for the performance model.
 
@@ -1400,7 +1422,14 @@ def gmm_dma_schedule(
                 continue
             chunk = min(cfg.chunk_m, bm)
             mxu_rows += sum(
-                pass_sizes(a - t * bm, b - t * bm, sub=sub, chunk=chunk, merged=cfg.merged_tails)
+                pass_sizes(
+                    a - t * bm,
+                    b - t * bm,
+                    sub=sub,
+                    chunk=chunk,
+                    merged=cfg.merged_tails,
+                    alone_whole=transpose_rhs,
+                )
             )
     w_slab = k * bn * rhs_bytes
     return {
