@@ -309,6 +309,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm merged tails: a whole pass for a group near the tile's start reaches before the tile",
     ),
     Mutant(
+        "gmm-gather-first-chunks",
+        GMM,
+        "lax.fori_loop(1, n_ck, first, 0)",
+        "lax.fori_loop(2, n_ck, first, 0)",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_as_xla_would",),
+        "gmm gather: the first tile's second chunk of rows never fetched",
+    ),
+    Mutant(
         "gmm-alone-whole-unused",
         GMM,
         "on_whole=issue_next if gather_rw else None,\n                alone_whole=transpose_rhs,",

@@ -606,12 +606,10 @@ def _gmm_kernel(
             lhs_copy.start()
         if gather_rw:
             state_ref[5] = 0
-
-            def first(b, c):
-                issue_batch(ids_first, 0, b * chunk_m, True)
-                return c
-
-            lax.fori_loop(0, n_ck, first, 0)
+            # The first chunk's rows, then the first weights, then the rest of
+            # the tile's rows: issuing a tile's row copies takes the scalar unit
+            # ~0.8 us a chunk, and the first pass needs one chunk and one slab.
+            issue_batch(ids_first, 0, 0, True)
         # The active list. Group ends are monotonic, so a group is active iff
         # its clamped end passes the previous one; out-of-range group ids
         # (shards past the last group) are never active. Two passes over the
@@ -645,6 +643,13 @@ def _gmm_kernel(
             return j + 1, count_next, prev
 
         j1, count, prev = lax.while_loop(head_cond, head, (0, 0, jnp.clip(first_lo, 0, m)))
+        if gather_rw:
+
+            def first(b, c):
+                issue_batch(ids_first, 0, b * chunk_m, True)
+                return c
+
+            lax.fori_loop(1, n_ck, first, 0)
 
         def tail(j, carry):
             return visit(j, *carry)[1:]
