@@ -524,7 +524,10 @@ def test_tpu7x_prefill_merges_tails_into_whole_passes_as_modelled(transpose_rhs)
         for t in range(lo // bm, -(-hi // bm)):
             a, b = max(lo, t * bm) - t * bm, min(hi, t * bm + bm) - t * bm
             for merged in passes:
-                passes[merged] += len(pass_sizes(a, b, sub=16, chunk=chunk, merged=merged))
+                sizes_ab = pass_sizes(
+                    a, b, sub=16, chunk=chunk, merged=merged, alone_whole=transpose_rhs
+                )
+                passes[merged] += len(sizes_ab)
             n_sub = -(-b // 16) - a // 16
             wide += n_sub >= 16 and n_sub % 16 > cfg.merged_tails[-1]
     assert wide >= 10, wide
@@ -620,7 +623,10 @@ def test_row_passes_keep_every_row_of_the_group_once(chunk_tiles, merged, bm, al
             alone = pass_sizes(
                 sub, chunk, sub=sub, chunk=chunk, merged=merged, alone_whole=alone_whole
             )
-            assert alone == [chunk] if alone_whole else len(alone) == 2, alone
+            if alone_whole:
+                assert alone == [chunk], alone
+            else:
+                assert len(alone) == 2, alone
 
 
 # --- bad input -----------------------------------------------------------

@@ -255,9 +255,8 @@ def row_passes(r_lo, r_hi, *, sub, chunk, emit, merged=(), on_whole=None, alone_
         has_big = n_big > 0
         wide = jnp.logical_and(has_big, n_small > merged[-1])
         merge = jnp.logical_and(jnp.logical_and(has_big, n_small > 0), jnp.logical_not(wide))
-        # A group under a chunk but over half of one: one whole pass.
-        whole_alone = jnp.logical_and(jnp.logical_not(has_big), n_small > widest)
-        whole_alone = jnp.logical_and(whole_alone, alone_whole)
+        # alone_whole: a group under a chunk but over half of one takes one whole pass.
+        whole_alone = jnp.logical_and(alone_whole, jnp.logical_and(~has_big, n_small > widest))
         extra = wide.astype(jnp.int32) + whole_alone.astype(jnp.int32)
         lax.fori_loop(0, n_big - merge.astype(jnp.int32) + extra, whole, 0)
         last_r0 = a_lo + jnp.maximum(n_big - 1, 0) * chunk
