@@ -140,7 +140,20 @@ def tgmm_reference(
     return jnp.asarray(out).astype(preferred_element_type or lhs.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(7, 15)) + (17,))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "num_experts",
+        "has_gate",
+        "is_transposed",
+        "is_concatenated",
+        "activation",
+        "group_offset",
+        "alpha",
+        "limit",
+        "quantize_activations",
+    ),
+)
 def moe_experts_reference(
     hidden,
     top_k_index,
