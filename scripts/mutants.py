@@ -1823,6 +1823,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: inference runs the unfused activation pass (the [S, 2I] projection is written)",
     ),
     Mutant(
+        "combine-rows-anywhere",
+        COMBINE,
+        "rows if interpret else _in_hbm(rows)",
+        "rows",
+        (f"{T_COMB}::test_combine_reads_its_rows_where_the_gmm_wrote_them",),
+        "combine: rows left to XLA's placement (copied whole into VMEM before the kernel)",
+    ),
+    Mutant(
         "combine-halves-swapped",
         COMBINE,
         "out_ref[pl.ds(r0, SUB), pl.ds(o, half)] = low.astype(out_ref.dtype)",

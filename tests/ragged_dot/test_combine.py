@@ -253,6 +253,25 @@ def test_combine_refuses_bad_input():
         combine(rows, slots, w, hidden=2048, block_t=8)
 
 
+def test_combine_reads_its_rows_where_the_gmm_wrote_them():
+    """The rows stay in HBM: left to XLA, 512 Qwen3 tokens' rows (16.8 MB)
+    were copied whole into VMEM before the kernel, a serial copy the
+    kernel's own row copies (bound by their issue) did not need. Compiled
+    for tpu7x, not run: the optimized program has no copy of them."""
+    import functools
+
+    from torch_bindings.aot import tpu_compile
+
+    t, k, h = 512, 8, 2048
+    spec = jax.ShapeDtypeStruct
+    rows = spec((t * k * pairs.row_words(h), 128), jnp.uint32)
+    args = [rows, spec((t, k), jnp.int32), spec((t, k), jnp.float32)]
+    compiled = tpu_compile(functools.partial(combine, hidden=h, generation="tpu7x"), args, "tpu7x")
+    shape = f"u32[{rows.shape[0]},{rows.shape[1]}]"
+    copies = [ln for ln in compiled.as_text().splitlines() if "copy-start" in ln and shape in ln]
+    assert not copies, copies[0][:200]
+
+
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
 @pytest.mark.parametrize("hidden, k", [(2048, 8), (2816, 8), (4096, 2)], ids=str)
 def test_combine_steps_copy_for_about_a_dma_latency(generation, hidden, k):
