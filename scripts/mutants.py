@@ -1823,6 +1823,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "moe: inference runs the unfused activation pass (the [S, 2I] projection is written)",
     ),
     Mutant(
+        "gmm-no-zero-outside-shard",
+        GMM,
+        "inside = jnp.logical_and(tile_lo >= shard_lo, tile_hi <= shard_hi)",
+        "inside = jnp.logical_or(tile_lo >= shard_lo, tile_hi <= shard_hi)",
+        (f"{T_COMB}::test_gmm_writes_every_word_of_the_tiles_its_groups_fill",),
+        "gmm: a tile holding rows before the shard's groups is not zeroed",
+    ),
+    Mutant(
+        "gmm-packed-padding-unwritten",
+        GMM,
+        "padded = packed and pairs.row_words(block_n) > block_n // pairs.GROUP",
+        "padded = False",
+        (f"{T_COMB}::test_gmm_writes_every_word_of_the_tiles_its_groups_fill",),
+        "gmm: packed padding words of a tile inside the shard left unwritten",
+    ),
+    Mutant(
         "combine-rows-anywhere",
         COMBINE,
         "rows if interpret else _in_hbm(rows)",

@@ -135,6 +135,42 @@ def test_gmm_packed_writes_the_packed_rows_of_its_output(problem):
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(pairs.pack_rows(plain)))
 
 
+@pytest.mark.parametrize("n", [2048, 2816])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_gmm_writes_every_word_of_the_tiles_its_groups_fill(offset, n):
+    """gmm zeroes only the row tiles holding rows no group of its shard
+    writes: every row of a tile inside the shard's groups must come from a
+    pass (groups across tile boundaries, tails reaching back), and packed,
+    such a tile's padding words (H = 2816: 11 word rows a token, padded to
+    16) must still be pack_rows' zeros. InterpretParams leaves memory nothing
+    wrote at NaN (the integer max for words), so a row or word left
+    unwritten shows. 32-row tiles: with offset 1 the shard's rows [16, 96)
+    fill the second and third tile only."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    rng = np.random.default_rng(offset + n)
+    sizes = [16, 45, 35, 32] if offset else [30, 0, 50, 16, 32]
+    gs = jnp.asarray(sizes, jnp.int32)
+    m, k = sum(sizes), 40
+    g_local = 2 if offset else len(sizes)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g_local, k, n)) / np.sqrt(k), jnp.bfloat16)
+    kw = dict(group_offset=offset, config=tiling.GmmConfig(32, n, 16, weight_buffers=2))
+    plain = gmm(lhs, rhs, gs, interpret=pltpu.InterpretParams(), **kw)
+    packed = gmm(lhs, rhs, gs, packed=True, interpret=pltpu.InterpretParams(), **kw)
+    lo = sum(sizes[:offset])
+    hi = lo + sum(sizes[offset:][:g_local])
+    local = jnp.asarray(sizes[offset:][:g_local], jnp.int32)
+
+    def dot(a, b):
+        return jax.lax.ragged_dot(a[lo:hi].astype(jnp.float32), b.astype(jnp.float32), local)
+
+    got = np.asarray(plain, np.float32)
+    assert not got[:lo].any() and not got[hi:].any()
+    assert_close(plain[lo:hi], dot(lhs, rhs), magnitude=dot(jnp.abs(lhs), jnp.abs(rhs)))
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(pairs.pack_rows(plain)))
+
+
 def test_gmm_packed_refuses_what_it_cannot_pack():
     gs = jnp.asarray([8], jnp.int32)
     lhs = jnp.zeros((8, 128), jnp.bfloat16)
