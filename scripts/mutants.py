@@ -259,8 +259,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-vmem-gather-one-tile",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
-        "        need = (2 * bm + chunk) * _row_bytes(k)",
-        "        need = bm * _row_bytes(k)",
+        "        need = (2 * bm + chunk + resident_tokens) * _row_bytes(k)",
+        "        need = (bm + resident_tokens) * _row_bytes(k)",
         (
             "tests/ragged_dot/test_compile_gate.py::"
             "test_gate_up_gmm_gathering_its_rows_compiles_at_its_vmem_estimate"
@@ -1839,6 +1839,50 @@ MUTANTS: tuple[Mutant, ...] = (
         "gmm: packed padding words of a tile inside the shard left unwritten",
     ),
     Mutant(
+        "gmm-resident-rows-unwaited",
+        GMM,
+        "                whole.wait()\n",
+        "",
+        (f"{T_GMM}::test_gathered_rows_are_waited_for_under_tpu_interpreter",),
+        "gmm: rows stored from the resident hidden states before their copy is waited for",
+    ),
+    Mutant(
+        "gmm-resident-wrong-row",
+        GMM,
+        "src = hid.at[pl.ds(pl.multiple_of(tok * rw, 8), rw)]",
+        "src = hid.at[pl.ds(pl.multiple_of((c + j) * rw, 8), rw)]",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_as_xla_would",),
+        "gmm: a resident row taken from the row's position, not its token",
+    ),
+    Mutant(
+        "tiling-resident-shrinks-tiles",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "if res is not None and (best is None or (res[1], res[5]) >= (best[1], best[5])):",
+        "if res is not None:",
+        (f"{T_GMM}::test_gathering_gmm_keeps_the_hidden_states_in_vmem_only_beside_full_blocks",),
+        "tiling: resident rows taken with smaller row tiles than without them",
+    ),
+    Mutant(
+        "tiling-resident-narrow-tiles",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "(gen.mxu_bound_block_m or (RESIDENT_BLOCK_M if resident else 0))",
+        "gen.mxu_bound_block_m",
+        (f"{T_GMM}::test_gathering_gmm_keeps_the_hidden_states_in_vmem_only_beside_full_blocks",),
+        "tiling: resident rows without the 2048-row tiles and merged tails",
+    ),
+    Mutant(
+        "gmm-vmem-resident-rows-uncounted",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "        need = (2 * bm + chunk + resident_tokens) * _row_bytes(k)",
+        "        need = (2 * bm + chunk) * _row_bytes(k)",
+        (
+            "tests/ragged_dot/test_compile_gate.py::"
+            "test_gate_up_gmm_gathering_its_rows_compiles_at_its_vmem_estimate"
+            "[gather-qwen3_30b_a3b-8192-v6e]",
+        ),
+        "tiling: the resident hidden states' rows left out of the gather gmm's VMEM estimate",
+    ),
+    Mutant(
         "combine-rows-anywhere",
         COMBINE,
         "rows if interpret else _in_hbm(rows)",
@@ -1857,8 +1901,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-wide-tiles-when-weight-bound",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
-        "    top = gen.mxu_bound_block_m if m >= gen.chunk_m * max(g, 1) else 0",
-        "    top = gen.mxu_bound_block_m",
+        "    many = m >= gen.chunk_m * max(g, 1)  # the groups average a whole pass",
+        "    many = True",
         (
             "tests/ragged_dot/test_gmm.py::test_tpu7x_takes_wider_row_tiles_only_where_the_mxus_bind",
         ),

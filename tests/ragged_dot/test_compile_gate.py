@@ -415,7 +415,8 @@ def _combine_program(point) -> GateProgram:
 # v6e only, as it does the combine), torch's [E, 2I, H] layout, every
 # generation, with tiling's blocks and the VMEM limit set to tiling's own
 # estimate (the packed row tiles and the junk chunk in place of the lhs
-# blocks): an undercount fails the compile.
+# blocks, and the hidden states' rows where they stay in VMEM,
+# GmmConfig.resident_rows): an undercount fails the compile.
 GATHER_POINTS = [
     ("gather", model, tokens, gen)
     for model in ("qwen3_30b_a3b", "gemma4_26b_a4b")
@@ -429,7 +430,9 @@ def _gather_program(point) -> GateProgram:
     e, top_k, h, i = MODELS[model]
     m = tokens * top_k
     bf16 = jnp.bfloat16
-    cfg = tiling.gmm_config(m, h, i, e, bf16, generation=generation, glu=True, gather=True)
+    cfg = tiling.gmm_config(
+        m, h, i, e, bf16, generation=generation, glu=True, gather=True, gather_tokens=tokens
+    )
     chunk = min(cfg.chunk_m, cfg.block_m)
     need = tiling.gmm_vmem_bytes(
         m,
@@ -445,6 +448,7 @@ def _gather_program(point) -> GateProgram:
         glu=True,
         merged=cfg.merged_tails,
         gather=True,
+        resident_tokens=tokens if cfg.resident_rows else 0,
     )
     cfg = dataclasses.replace(cfg, vmem_limit_bytes=need)
     fn = functools.partial(gmm, transpose_rhs=True, glu=("silu", 1.702, 7.0), config=cfg)

@@ -721,6 +721,30 @@ def test_tpu7x_takes_wider_row_tiles_only_where_the_mxus_bind():
             assert cfg.merged_tails == ((2, 8) if want == 2048 else ()), (tokens, gen, cfg)
 
 
+def test_gathering_gmm_keeps_the_hidden_states_in_vmem_only_beside_full_blocks():
+    """The gate/up gmm that gathers its rows keeps the hidden states' packed
+    rows in VMEM (resident_rows) where they fit beside row tiles as large as
+    it takes without them, and then takes 2048-row tiles with merged tails
+    where the groups average a full pass (tiling.RESIDENT_BLOCK_M); never
+    smaller tiles to make room (tpu7x at 8,192 Qwen3 tokens: 33.5 MB of rows
+    beside 2048-row tiles would not fit its 48 MiB)."""
+    for tokens, gen, resident, bm in (
+        (2048, "v6e", True, 1024),
+        (8192, "v6e", True, 2048),
+        (2048, "tpu7x", True, 1024),
+        (8192, "tpu7x", False, 2048),
+    ):
+        m = tokens * 8
+        kw = dict(generation=gen, glu=True, gather=True)
+        cfg = tiling.gmm_config(m, 2048, 768, 128, jnp.bfloat16, gather_tokens=tokens, **kw)
+        plain = tiling.gmm_config(m, 2048, 768, 128, jnp.bfloat16, **kw)
+        assert (cfg.resident_rows, cfg.block_m) == (resident, bm), (tokens, gen, cfg)
+        assert not plain.resident_rows and cfg.block_m >= plain.block_m, (tokens, gen, plain)
+        assert cfg.merged_tails == ((2, 8) if bm == 2048 else ()), (tokens, gen, cfg)
+    with pytest.raises(ValueError, match="resident_rows: expected a bool"):
+        tiling.GmmConfig(64, 32, 64, resident_rows=1)
+
+
 def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
     """GPT-OSS prefill: K = N = 2880 full-extent blocks exceed VMEM, so tgmm pads
     K and N to the 128-lane tile and slices the result; the numbers must not change."""
@@ -1050,7 +1074,12 @@ def gather_problems(draw):
     bm = chunk * draw(st.integers(1, 4))
     merged = _merged(draw, bm, chunk, jnp.bfloat16)
     cfg = tiling.GmmConfig(
-        bm, i, chunk, weight_buffers=draw(st.integers(2, 3)), merged_tails=merged
+        bm,
+        i,
+        chunk,
+        weight_buffers=draw(st.integers(2, 3)),
+        merged_tails=merged,
+        resident_rows=draw(st.booleans()),
     )
     act = draw(st.sampled_from([None, "silu", "gelu"]))
     return transpose, t, k, i, m, sizes, cfg, act, draw(st.integers(0, 2**16))
@@ -1104,11 +1133,30 @@ def _gather_case(problem):
     )
 )
 @example((False, 5, 256, 256, 24, [20, 4], tiling.GmmConfig(32, 256, 16), "gelu", 3))
+# Rows from the VMEM-resident hidden states: several tiles with merged tails
+# and rows past the sum; one tile, K = 768 (words padded to 8 rows).
+@example(
+    (
+        False,
+        40,
+        256,
+        128,
+        190,
+        [60, 0, 70, 41],
+        tiling.GmmConfig(64, 128, 32, merged_tails=(1,), resident_rows=True),
+        "silu",
+        7,
+    )
+)
+@example(
+    (True, 96, 768, 128, 100, [37, 63], tiling.GmmConfig(128, 128, 32, resident_rows=True), None, 8)
+)
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(gather_problems())
 def test_gmm_gathers_its_rows_as_xla_would(problem):
     """gmm(hidden, ..., gather=ids) is gmm(hidden[ids], ...) bit for bit, the
-    rows fetched one DMA each, a tile ahead, from pairs.pack_rows' layout;
+    rows fetched one DMA each, a tile ahead, from pairs.pack_rows' layout (or,
+    resident_rows, stored from the hidden states' rows copied into VMEM);
     and both match the reference."""
     hidden, ids, w_kn, rhs, gs, kw = _gather_case(problem)
     out = gmm(hidden, rhs, gs, gather=ids, interpret=True, **kw)
@@ -1121,13 +1169,17 @@ def test_gmm_gathers_its_rows_as_xla_would(problem):
         _check_rd(out, hidden[ids], w_kn, gs)
 
 
-def test_gathered_rows_are_waited_for_under_tpu_interpreter():
+@pytest.mark.parametrize("resident", [False, True])
+def test_gathered_rows_are_waited_for_under_tpu_interpreter(resident):
     """Row copies complete only when waited on: a chunk read before its wait
-    would be stale (zeros, then the tile before's rows). (The interpreter's
-    race detector takes no strided slices, which the row unpacking reads.)"""
+    would be stale (zeros, then the tile before's rows); with resident rows,
+    a row stored from the hidden states before their copy's wait would be
+    the interpreter's uninitialized memory. (The interpreter's race detector
+    takes no strided slices, which the row unpacking reads.)"""
     from jax.experimental.pallas import tpu as pltpu
 
-    problem = (True, 40, 256, 128, 190, [60, 0, 70, 41], tiling.GmmConfig(64, 128, 32), None, 4)
+    cfg = tiling.GmmConfig(64, 128, 32, resident_rows=resident)
+    problem = (True, 40, 256, 128, 190, [60, 0, 70, 41], cfg, None, 4)
     hidden, ids, w_kn, rhs, gs, kw = _gather_case(problem)
     params = pltpu.InterpretParams(dma_execution_mode="on_wait")
     out = gmm(hidden, rhs, gs, gather=ids, interpret=params, **kw)

@@ -508,6 +508,7 @@ def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool
             hidden.dtype,
             glu=True,
             gather=True,
+            gather_tokens=hidden.shape[0],
         )
     except ValueError:  # no block of the whole output fits VMEM
         return False

@@ -112,6 +112,11 @@ chunk's, the last tile) land in junk rows under their own semaphore, so the
 pass body has no branch; they are drained at the end. Qwen3 at 8,192 tokens,
 scheduled: v6e gate/up 834.5 -> 842.6 us plus a 48.9 us pack for the 377.5
 us gather; tpu7x 547.9 -> 618.4 plus 22.3 for 167.3.
+Where the packed hidden states fit in VMEM beside the launch's blocks
+(``GmmConfig.resident_rows``, tiling.gmm_config), they are copied there
+once, at the first step, and each row is a vector load and store from them
+instead of a DMA from HBM: each token's row is then read from HBM once, not
+once for each of its top_k experts (Qwen3 at 8,192 tokens: 33.5 MB for 268).
 
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it
@@ -146,6 +151,7 @@ def resolve_config(
     gather=False,
     interleaved=False,
     bias=False,
+    gather_tokens=0,
 ):
     if isinstance(config, tiling.GmmConfig):
         return config
@@ -164,6 +170,7 @@ def resolve_config(
             gather=gather,
             interleaved=interleaved,
             bias=bias,
+            gather_tokens=gather_tokens if gather else 0,
         )
     raise ValueError(f"config: expected None, a generation name or a GmmConfig, got {config!r}")
 
@@ -401,6 +408,7 @@ def _gmm_kernel(
     interleaved=False,
     has_bias=False,
     rolled_gather=False,
+    resident=False,
 ):
     if gather_rw:
         ids_first, ids_next, *rest = rest
@@ -422,7 +430,9 @@ def _gmm_kernel(
     if has_bias:
         bbuf, *rest = rest  # a slot's bias row, [1, slab_n] f32
     if gather_rw:
-        xw, xsem = rest
+        xw, xsem, *rest = rest
+        if resident:
+            hid, hsem = rest  # the packed hidden states, all of them, and their copy's
         lhs_hbm = lhs_ref
     if manual_lhs:
         # One row tile: lhs is copied by hand, so its DMA is queued with the
@@ -455,6 +465,10 @@ def _gmm_kernel(
 
             def row(j):
                 tok = ids_ref[0, c + j]
+                if resident:  # a whole tile a row: one vector load and store
+                    src = hid.at[pl.ds(pl.multiple_of(tok * rw, 8), rw)]
+                    xw[pl.ds(pl.multiple_of(base + j * rw, 8), rw)] = src[...]
+                    return
                 pltpu.make_async_copy(
                     lhs_hbm.at[pl.ds(pl.multiple_of(tok * rw, 8), rw)],
                     xw.at[pl.ds(pl.multiple_of(base + j * rw, 8), rw)],
@@ -475,6 +489,8 @@ def _gmm_kernel(
                     row(j)
 
         def wait_chunk(sem_i):
+            if resident:  # the rows were stored, not copied
+                return
             span = xw.at[pl.ds(0, chunk_m * rw)]
             pltpu.make_async_copy(span, span, xsem.at[sem_i]).wait()
 
@@ -610,7 +626,13 @@ def _gmm_kernel(
             # The first chunk's rows, then the first weights, then the rest of
             # the tile's rows: issuing a tile's row copies takes the scalar unit
             # ~0.8 us a chunk, and the first pass needs one chunk and one slab.
-            issue_batch(ids_first, 0, 0, True)
+            # Resident rows: the hidden states' copy, then the first weights,
+            # then the first tile's rows (any of the hidden states').
+            if resident:
+                whole = pltpu.make_async_copy(lhs_hbm, hid, hsem.at[0])
+                whole.start()
+            else:
+                issue_batch(ids_first, 0, 0, True)
         # The active list. Group ends are monotonic, so a group is active iff
         # its clamped end passes the previous one; out-of-range group ids
         # (shards past the last group) are never active. Two passes over the
@@ -645,6 +667,9 @@ def _gmm_kernel(
 
         j1, count, prev = lax.while_loop(head_cond, head, (0, 0, jnp.clip(first_lo, 0, m)))
         if gather_rw:
+            if resident:
+                whole.wait()
+                issue_batch(ids_first, 0, 0, True)
 
             def first(b, c):
                 issue_batch(ids_first, 0, b * chunk_m, True)
@@ -1181,6 +1206,7 @@ def gmm(
         gather is not None,
         glu_interleaved,
         bias is not None,
+        lhs.shape[0],
     )
     sub = tiling.sublane(lhs.dtype, rhs.dtype, out_dtype)  # quantized rhs does not count
     tiling.check_gmm_config(cfg, n_out, sub)
@@ -1197,6 +1223,7 @@ def gmm(
             f" (its rows are fetched a chunk at a time): config.block_n expected {n_out},"
             f" got {bn}; block_m {bm} a multiple of chunk_m {chunk}"
         )
+    resident = cfg.resident_rows and gather is not None  # (no rows to gather: no effect)
     tiles = pl.cdiv(m, bm)
     n_blocks = pl.cdiv(n_out, bn)
 
@@ -1286,6 +1313,11 @@ def gmm(
             pltpu.VMEM(((2 * bm + chunk) * gather_rw, pairs.GROUP // 2), jnp.uint32),
             pltpu.SemaphoreType.DMA((2 * (bm // chunk) + 1,)),
         ]
+    if resident:
+        scratch += [
+            pltpu.VMEM((lhs.shape[0] * gather_rw, pairs.GROUP // 2), jnp.uint32),
+            pltpu.SemaphoreType.DMA((1,)),
+        ]
     precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
     kernel = functools.partial(
         _gmm_kernel,
@@ -1315,6 +1347,7 @@ def gmm(
         interleaved=glu_interleaved,
         has_bias=bias is not None,
         rolled_gather=bool(interpret),
+        resident=resident,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(
@@ -1360,6 +1393,7 @@ def gmm(
                     gather=gather is not None,
                     interleaved=glu_interleaved,
                     bias=bias is not None,
+                    resident_tokens=lhs.shape[0] if resident else 0,
                 ),
             ),
         ),
