@@ -44,7 +44,8 @@ v5p        64 MiB      48 MiB  4096            512             128
 256 on v6e/tpu7x). A group's rows are issued as ``chunk_m``-row passes while
 at least that many remain, then its tail as one pass (two past half a chunk)
 of a power of two sublane tiles (8 rows f32, 16 bf16; kernel_gmm.row_passes),
-or, where the MXUs bind (``mxu_bound_block_m``), inside its last whole pass
+or, where the MXUs bind (``mxu_bound_block_m``) or the gathered rows stay in
+VMEM (``RESIDENT_BLOCK_M``), inside its last whole pass
 (``GmmConfig.merged_tails``, ``merged_tail_tiles``).
 
 tgmm (d_rhs) tiles (K, N) of the output with an f32 accumulator and walks the
@@ -609,8 +610,9 @@ def gmm_config(
     `gather`: lhs rows gathered in the kernel (gmm's gather=), which needs
     the whole of n in one block (each row tile is then fetched once);
     `gather_tokens` (the hidden states' rows): their packed rows stay in
-    VMEM (resident_rows) wherever some blocks fit with them, each row then
-    read from HBM once instead of once for each of its top_k experts.
+    VMEM (resident_rows) where they fit beside row tiles as large as, and
+    as many weight slots as, the launch takes without them; each row is
+    then read from HBM once instead of once for each of its top_k experts.
     `interleaved`: glu's gate/up columns alternate; `bias`: gmm's bias= (both
     for gmm_vmem_bytes)."""
     gen = get_generation(generation)
