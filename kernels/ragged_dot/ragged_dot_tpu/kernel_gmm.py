@@ -170,7 +170,7 @@ def resolve_config(
             gather=gather,
             interleaved=interleaved,
             bias=bias,
-            gather_tokens=gather_tokens if gather else 0,
+            gather_tokens=gather_tokens,
         )
     raise ValueError(f"config: expected None, a generation name or a GmmConfig, got {config!r}")
 
@@ -489,8 +489,6 @@ def _gmm_kernel(
                     row(j)
 
         def wait_chunk(sem_i):
-            if resident:  # the rows were stored, not copied
-                return
             span = xw.at[pl.ds(0, chunk_m * rw)]
             pltpu.make_async_copy(span, span, xsem.at[sem_i]).wait()
 
@@ -505,6 +503,8 @@ def _gmm_kernel(
 
         def landed(r_end):
             """Waits for the chunks of this tile's rows [0, r_end) not yet waited."""
+            if resident:  # the rows were stored, not copied: nothing to wait for
+                return
             last = lax.div(r_end - 1, chunk_m)
 
             def body(c):
@@ -976,9 +976,11 @@ def _gmm_kernel(
 
         landed(block_m)
 
-        @pl.when(t_i + 1 == tiles)
-        def _():
-            lax.fori_loop(0, state_ref[5], lambda b, c: wait_chunk(junk) or c, 0)
+        if not resident:  # (resident rows sent to the junk rows were stored)
+
+            @pl.when(t_i + 1 == tiles)
+            def _():
+                lax.fori_loop(0, state_ref[5], lambda b, c: wait_chunk(junk) or c, 0)
 
 
 @functools.partial(

@@ -575,6 +575,74 @@ def _gmm_time(m, k, n, g, bm, bn, ib, wb, ob, gen, bufs, halves=1) -> float:
     return t
 
 
+def _best_gmm_blocks(
+    m,
+    k,
+    n,
+    g,
+    dtype,
+    w_dtype,
+    out_dtype,
+    sub,
+    gen,
+    top,
+    glu,
+    packed,
+    gather,
+    interleaved,
+    bias,
+    resident_tokens,
+):
+    """((time, bm, bn, chunk, need, bufs, merged) of the fastest blocks that
+    fit VMEM, or None; (need, bm, bn) of the smallest need) over row tiles
+    from `top` down (gmm_config)."""
+    best = smallest_need = None
+    for bm in _m_candidates(m, sub, gen, top):
+        chunk = _chunk(bm, gen, sub)
+        # Where the MXUs bind, a group's tail rides in its last whole pass.
+        merged = merged_tail_tiles(chunk, sub) if top else ()
+        if merged and bm < chunk + merged[-1] * sub:
+            merged = ()
+        if gather and bm % chunk:  # the rows are fetched a chunk at a time
+            continue
+        for bn in [n] if gather else _slab_candidates(n):
+            # Fewer slots before smaller blocks: two still stream, one behind another.
+            slab_n = 2 * bn if glu else bn
+            for bufs in range(weight_buffers(k, slab_n, w_dtype, gen), 1, -1):
+                need = gmm_vmem_bytes(
+                    m,
+                    k,
+                    n,
+                    bm,
+                    bn,
+                    chunk,
+                    dtype,
+                    w_dtype,
+                    out_dtype,
+                    bufs,
+                    glu,
+                    packed,
+                    merged,
+                    gather,
+                    interleaved,
+                    bias,
+                    resident_tokens,
+                )
+                if need <= gen.vmem_budget:
+                    break
+            if smallest_need is None or need < smallest_need[0]:
+                smallest_need = (need, bm, bn)
+            if need > gen.vmem_budget:
+                continue
+            wb = 0.5 + 1 / mxfp4.BLOCK if mxfp4.is_mxfp4(w_dtype) else w_dtype.itemsize
+            t = _gmm_time(
+                m, k, n, g, bm, bn, dtype.itemsize, wb, out_dtype.itemsize, gen, bufs, 1 + glu
+            )
+            if best is None or t < best[0]:
+                best = (t, bm, bn, chunk, need, bufs, merged)
+    return best, smallest_need
+
+
 # Row tiles of gmm where it gathers its rows from VMEM-resident hidden states
 # (GmmConfig.resident_rows) and the groups average a full MXU pass: its HBM
 # traffic is then the weights and the output, so it is bound by its bundles
@@ -620,56 +688,16 @@ def gmm_config(
     w_dtype = jnp.dtype(w_dtype or dtype)
     out_dtype = jnp.dtype(out_dtype or dtype)
     sub = sublane(dtype, w_dtype, out_dtype)  # quantized weights do not count
-    smallest_need = None
     many = m >= gen.chunk_m * max(g, 1)  # the groups average a whole pass
-    found = {}
+    shape = (m, k, n, g, dtype, w_dtype, out_dtype, sub, gen)
+    flags = (glu, packed, gather, interleaved, bias)
+    found, smallest_need = {}, None
     for resident in (False, True) if gather and gather_tokens > 0 else (False,):
-        best = None
         top = (gen.mxu_bound_block_m or (RESIDENT_BLOCK_M if resident else 0)) if many else 0
-        for bm in _m_candidates(m, sub, gen, top):
-            chunk = _chunk(bm, gen, sub)
-            # Where the MXUs bind, a group's tail rides in its last whole pass.
-            merged = merged_tail_tiles(chunk, sub) if top else ()
-            if merged and bm < chunk + merged[-1] * sub:
-                merged = ()
-            if gather and bm % chunk:  # the rows are fetched a chunk at a time
-                continue
-            for bn in [n] if gather else _slab_candidates(n):
-                # Fewer slots before smaller blocks: two still stream, one behind another.
-                slab_n = 2 * bn if glu else bn
-                for bufs in range(weight_buffers(k, slab_n, w_dtype, gen), 1, -1):
-                    need = gmm_vmem_bytes(
-                        m,
-                        k,
-                        n,
-                        bm,
-                        bn,
-                        chunk,
-                        dtype,
-                        w_dtype,
-                        out_dtype,
-                        bufs,
-                        glu,
-                        packed,
-                        merged,
-                        gather,
-                        interleaved,
-                        bias,
-                        gather_tokens if resident else 0,
-                    )
-                    if need <= gen.vmem_budget:
-                        break
-                if smallest_need is None or need < smallest_need[0]:
-                    smallest_need = (need, bm, bn)
-                if need > gen.vmem_budget:
-                    continue
-                wb = 0.5 + 1 / mxfp4.BLOCK if mxfp4.is_mxfp4(w_dtype) else w_dtype.itemsize
-                t = _gmm_time(
-                    m, k, n, g, bm, bn, dtype.itemsize, wb, out_dtype.itemsize, gen, bufs, 1 + glu
-                )
-                if best is None or t < best[0]:
-                    best = (t, bm, bn, chunk, need, bufs, merged, resident)
-        found[resident] = best
+        best, smallest = _best_gmm_blocks(*shape, top, *flags, gather_tokens if resident else 0)
+        found[resident] = best and (*best, resident)
+        if smallest is not None and (smallest_need is None or smallest[0] < smallest_need[0]):
+            smallest_need = smallest
     # Resident rows where they fit beside blocks as large as the others' (and
     # as many weight slots): smaller row tiles to make room for them cost more
     # passes than the row copies they save.
