@@ -1841,10 +1841,46 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gmm-resident-rows-unwaited",
         GMM,
-        "                whole.wait()\n",
+        "                    whole.wait()\n",
         "",
         (f"{T_GMM}::test_gathered_rows_are_waited_for_under_tpu_interpreter",),
         "gmm: rows stored from the resident hidden states before their copy is waited for",
+    ),
+    Mutant(
+        "gmm-staged-rows-unwaited",
+        GMM,
+        "                    stage_copy(c).wait()\n",
+        "",
+        (f"{T_GMM}::test_gathered_rows_are_waited_for_under_tpu_interpreter",),
+        "gmm: a staging copy of the hidden states packed before it is waited for",
+    ),
+    Mutant(
+        "gmm-staged-last-copy-short",
+        GMM,
+        "jnp.minimum(c * bt, t_main - bt), 8)",
+        "jnp.minimum(c * bt, t_main - bt - 8), 8)",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_beside_a_bias",),
+        "gmm: the last staging copy ends a tile early: those hidden states never packed",
+    ),
+    Mutant(
+        "gmm-staged-tail-dropped",
+        GMM,
+        "                        tail.start()\n",
+        "                        pass\n",
+        (f"{T_GMM}::test_gmm_gathers_its_rows_beside_a_bias",),
+        "gmm: the hidden states past the last whole tile (packed by XLA) never copied",
+    ),
+    Mutant(
+        "tiling-vmem-stage-uncounted",
+        "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
+        "        need += RESIDENT_STAGE_SLOTS * stage_copy_rows(",
+        "        need += 0 * stage_copy_rows(",
+        (
+            "tests/ragged_dot/test_compile_gate.py::"
+            "test_gate_up_gmm_gathering_its_rows_compiles_at_its_vmem_estimate"
+            "[gather-qwen3_30b_a3b-8192-v6e]",
+        ),
+        "tiling: the staging copies of resident hidden states left out of gmm's VMEM",
     ),
     Mutant(
         "gmm-resident-wrong-row",

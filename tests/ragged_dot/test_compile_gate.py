@@ -410,7 +410,8 @@ def _combine_program(point) -> GateProgram:
 
 
 # Prefill inference's gate/up gmm gathering its rows (gmm(gather=), the
-# hidden states packed by kernel_pack first): Qwen3 (H = 2048), Gemma 4
+# hidden states packed by kernel_pack first, or by the kernel where its
+# staging copies fit, GmmConfig.stage_rows): Qwen3 (H = 2048), Gemma 4
 # (H = 2816, word rows padded to whole tiles; the layer takes it on v5e and
 # v6e only, as it does the combine), torch's [E, 2I, H] layout, every
 # generation, with tiling's blocks and the VMEM limit set to tiling's own
@@ -449,6 +450,7 @@ def _gather_program(point) -> GateProgram:
         merged=cfg.merged_tails,
         gather=True,
         resident_tokens=tokens if cfg.resident_rows else 0,
+        stage_rows=cfg.stage_rows,
     )
     cfg = dataclasses.replace(cfg, vmem_limit_bytes=need)
     fn = functools.partial(gmm, transpose_rhs=True, glu=("silu", 1.702, 7.0), config=cfg)

@@ -727,22 +727,45 @@ def test_gathering_gmm_keeps_the_hidden_states_in_vmem_only_beside_full_blocks()
     it takes without them, and then takes 2048-row tiles with merged tails
     where the groups average a full pass (tiling.RESIDENT_BLOCK_M); never
     smaller tiles to make room (tpu7x at 8,192 Qwen3 tokens: 33.5 MB of rows
-    beside 2048-row tiles would not fit its 48 MiB)."""
-    for tokens, gen, resident, bm in (
-        (2048, "v6e", True, 1024),
-        (8192, "v6e", True, 2048),
-        (2048, "tpu7x", True, 1024),
-        (8192, "tpu7x", False, 2048),
+    beside 2048-row tiles would not fit its 48 MiB). It packs them itself
+    (stage_rows) where its staging copies fit beside all that too."""
+    for tokens, gen, resident, bm, stage in (
+        (2048, "v6e", True, 1024, 256),
+        (8192, "v6e", True, 2048, 256),
+        (2048, "tpu7x", True, 1024, 256),
+        (8192, "tpu7x", False, 2048, 0),
     ):
         m = tokens * 8
         kw = dict(generation=gen, glu=True, gather=True)
         cfg = tiling.gmm_config(m, 2048, 768, 128, jnp.bfloat16, gather_tokens=tokens, **kw)
         plain = tiling.gmm_config(m, 2048, 768, 128, jnp.bfloat16, **kw)
-        assert (cfg.resident_rows, cfg.block_m) == (resident, bm), (tokens, gen, cfg)
+        assert (cfg.resident_rows, cfg.block_m, cfg.stage_rows) == (resident, bm, stage), (
+            tokens,
+            gen,
+            cfg,
+        )
         assert not plain.resident_rows and cfg.block_m >= plain.block_m, (tokens, gen, plain)
+        assert plain.weight_buffers <= cfg.weight_buffers, (tokens, gen, cfg)
         assert cfg.merged_tails == ((2, 8) if bm == 2048 else ()), (tokens, gen, cfg)
+    # Gemma 4 at 512 tokens on tpu7x: 1.8 MiB beside its blocks, under four
+    # 128-row copies (2.75 MiB): resident, packed by pack_rows.
+    cfg = tiling.gmm_config(
+        4096,
+        2816,
+        704,
+        128,
+        jnp.bfloat16,
+        generation="tpu7x",
+        glu=True,
+        gather=True,
+        gather_tokens=512,
+    )
+    assert (cfg.resident_rows, cfg.stage_rows) == (True, 0), cfg
     with pytest.raises(ValueError, match="resident_rows: expected a bool"):
         tiling.GmmConfig(64, 32, 64, resident_rows=1)
+    for bad in (dict(stage_rows=24, resident_rows=True), dict(stage_rows=16)):
+        with pytest.raises(ValueError, match="stage_rows: expected a non-negative multiple"):
+            tiling.GmmConfig(64, 32, 64, **bad)
 
 
 def test_tgmm_pads_unaligned_dims_when_full_blocks_do_not_fit(monkeypatch):
@@ -1073,13 +1096,15 @@ def gather_problems(draw):
     chunk = draw(st.sampled_from([16, 32, 64]))
     bm = chunk * draw(st.integers(1, 4))
     merged = _merged(draw, bm, chunk, jnp.bfloat16)
+    resident = draw(st.booleans())
     cfg = tiling.GmmConfig(
         bm,
         i,
         chunk,
         weight_buffers=draw(st.integers(2, 3)),
         merged_tails=merged,
-        resident_rows=draw(st.booleans()),
+        resident_rows=resident,
+        stage_rows=draw(st.sampled_from([0, 16, 32])) if resident else 0,
     )
     act = draw(st.sampled_from([None, "silu", "gelu"]))
     return transpose, t, k, i, m, sizes, cfg, act, draw(st.integers(0, 2**16))
@@ -1134,7 +1159,8 @@ def _gather_case(problem):
 )
 @example((False, 5, 256, 256, 24, [20, 4], tiling.GmmConfig(32, 256, 16), "gelu", 3))
 # Rows from the VMEM-resident hidden states: several tiles with merged tails
-# and rows past the sum; one tile, K = 768 (words padded to 8 rows).
+# and rows past the sum (packed by pack_rows); one tile, K = 768 (words padded
+# to 8 rows), staged and packed in the kernel, six copies of 16 rows.
 @example(
     (
         False,
@@ -1149,15 +1175,26 @@ def _gather_case(problem):
     )
 )
 @example(
-    (True, 96, 768, 128, 100, [37, 63], tiling.GmmConfig(128, 128, 32, resident_rows=True), None, 8)
+    (
+        True,
+        96,
+        768,
+        128,
+        100,
+        [37, 63],
+        tiling.GmmConfig(128, 128, 32, resident_rows=True, stage_rows=16),
+        None,
+        8,
+    )
 )
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(gather_problems())
 def test_gmm_gathers_its_rows_as_xla_would(problem):
     """gmm(hidden, ..., gather=ids) is gmm(hidden[ids], ...) bit for bit, the
     rows fetched one DMA each, a tile ahead, from pairs.pack_rows' layout (or,
-    resident_rows, stored from the hidden states' rows copied into VMEM);
-    and both match the reference."""
+    resident_rows, stored from the hidden states' rows copied into VMEM,
+    packed by pack_rows or, stage_rows, by the kernel); and both match the
+    reference."""
     hidden, ids, w_kn, rhs, gs, kw = _gather_case(problem)
     out = gmm(hidden, rhs, gs, gather=ids, interpret=True, **kw)
     want = gmm(hidden[ids], rhs, gs, interpret=True, **kw)
@@ -1169,21 +1206,46 @@ def test_gmm_gathers_its_rows_as_xla_would(problem):
         _check_rd(out, hidden[ids], w_kn, gs)
 
 
-@pytest.mark.parametrize("resident", [False, True])
-def test_gathered_rows_are_waited_for_under_tpu_interpreter(resident):
+@pytest.mark.parametrize("rows", ["copied", "resident", "staged"])
+def test_gathered_rows_are_waited_for_under_tpu_interpreter(rows):
     """Row copies complete only when waited on: a chunk read before its wait
     would be stale (zeros, then the tile before's rows); with resident rows,
-    a row stored from the hidden states before their copy's wait would be
-    the interpreter's uninitialized memory. (The interpreter's race detector
-    takes no strided slices, which the row unpacking reads.)"""
+    a row stored from the hidden states before their copy's wait (or, staged,
+    a staging copy packed before its wait) would be the interpreter's
+    uninitialized memory. (The interpreter's race detector takes no strided
+    slices, which the row unpacking reads.)"""
     from jax.experimental.pallas import tpu as pltpu
 
-    cfg = tiling.GmmConfig(64, 128, 32, resident_rows=resident)
+    resident = rows != "copied"
+    cfg = tiling.GmmConfig(
+        64, 128, 32, resident_rows=resident, stage_rows=16 if rows == "staged" else 0
+    )
     problem = (True, 40, 256, 128, 190, [60, 0, 70, 41], cfg, None, 4)
     hidden, ids, w_kn, rhs, gs, kw = _gather_case(problem)
     params = pltpu.InterpretParams(dma_execution_mode="on_wait")
     out = gmm(hidden, rhs, gs, gather=ids, interpret=params, **kw)
     _check_rd(out, hidden[ids], w_kn, gs)
+
+
+def test_gmm_gathers_its_rows_beside_a_bias():
+    """Gathered rows with a bias (the ids' blocks and the bias in the
+    kernel's operand order): 613 hidden states staged and packed in the
+    kernel, 13 copies of 48 rows, the last over rows the one before brought,
+    the 5 past the last whole 8-row tile packed by XLA; bit for bit gmm on
+    XLA's gathered rows."""
+    rng = np.random.default_rng(11)
+    hidden = _rand(rng, (613, 256), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, 613, 190), jnp.int32)
+    ids = ids.at[:4].set(jnp.asarray([0, 607, 608, 612]))  # around the tile and the tail
+    w = jnp.asarray(rng.standard_normal((4, 256, 256)) / 16, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
+    cfg = tiling.GmmConfig(64, 128, 32, merged_tails=(1,), resident_rows=True, stage_rows=48)
+    kw = dict(config=cfg, glu=("silu", 1.702, 7.0), glu_interleaved=True, bias=bias)
+    gs = jnp.asarray([60, 0, 70, 41], jnp.int32)
+    out = gmm(hidden, w, gs, gather=ids, interpret=True, **kw)
+    want = gmm(hidden[ids], w, gs, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 def test_gmm_gather_refuses_what_it_cannot_fetch():

@@ -236,12 +236,18 @@ def test_reference_matches_transformers_and_kernel():
 
 def _pallas_widths(closed):
     """(rows, columns) of every pallas_call output in a jaxpr, sub-jaxprs included."""
+    return [shape for _, outs in _pallas_io(closed) for shape in outs]
+
+
+def _pallas_io(closed):
+    """(input shapes, output shapes) of every pallas_call in a jaxpr, sub-jaxprs included."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                found.extend(tuple(v.aval.shape) for v in eqn.outvars)
+                shapes = lambda vs: [tuple(v.aval.shape) for v in vs]  # noqa: E731
+                found.append((shapes(eqn.invars), shapes(eqn.outvars)))
             for p in eqn.params.values():
                 for sub in p if isinstance(p, (tuple, list)) else (p,):
                     inner = getattr(sub, "jaxpr", sub)
@@ -355,10 +361,11 @@ def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(weights, gen
 )
 def test_prefill_inference_gathers_rows_in_the_gate_up_kernel(layout, t):
     """Past the one-launch kernel's limit (300 and 520 tokens here) inference
-    hands the hidden states to the gate/up gmm, which fetches each row by
-    DMA from their packed copy (kernel_pack) instead of a [T * k, H] copy
-    made first: XLA's gather past the one-hot routing's range (520), the
-    dispatch matmul in it (300). Training keeps the copy. Both match
+    hands the hidden states to the gate/up gmm, which fetches each row from
+    their packed copy (kernel_pack's, or its own where they stay in VMEM and
+    its staging copies fit: tiling's stage_rows) instead of a [T * k, H]
+    copy made first: XLA's gather past the one-hot routing's range (520),
+    the dispatch matmul in it (300). Training keeps the copy. Both match
     transformers' layer with the bf16 test's bound."""
     e, h, i, k = 4, 256, 128, 2
     args, ref, mag = _bf16_case(layout, e, h, i, t, k, seed=13)
@@ -366,12 +373,19 @@ def test_prefill_inference_gathers_rows_in_the_gate_up_kernel(layout, t):
     one_hot = tiling.route_by_matmul(t, jnp.bfloat16, jnp.bfloat16)
     assert one_hot == (t <= tiling.ROUTE_BY_MATMUL_MAX_TOKENS)
     packed_hidden = (t * pairs.row_words(h), 128)
+    cfg = tiling.gmm_config(t * k, h, i, e, jnp.bfloat16, glu=True, gather=True, gather_tokens=t)
+    rows = (t, h) if cfg.stage_rows else packed_hidden  # what the gate/up gmm reads
+
+    def gate_up_inputs(closed):
+        return [ins for ins, outs in _pallas_io(closed) if outs[0] == (t * k, i)]
+
     inference = jax.make_jaxpr(f)(*args)
-    assert packed_hidden in _pallas_widths(inference)
+    assert any(rows in ins for ins in gate_up_inputs(inference))
+    assert (packed_hidden in _pallas_widths(inference)) == (not cfg.stage_rows)
     copy = f"[{t * k},{h}] = {'dot_general' if one_hot else 'gather'}"
     assert copy not in str(inference)
     training = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(*args)
-    assert packed_hidden not in _pallas_widths(training) and copy in str(training)
+    assert not any(rows in ins for ins in gate_up_inputs(training)) and copy in str(training)
     if one_hot:
         # The one-hot dispatch zeroed a non-finite hidden state and restored
         # its token's row as NaN; fetched rows keep it to their own token.

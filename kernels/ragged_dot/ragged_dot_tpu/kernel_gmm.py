@@ -117,6 +117,11 @@ Where the packed hidden states fit in VMEM beside the launch's blocks
 once, at the first step, and each row is a vector load and store from them
 instead of a DMA from HBM: each token's row is then read from HBM once, not
 once for each of its top_k experts (Qwen3 at 8,192 tokens: 33.5 MB for 268).
+Where a few staging copies fit too (``GmmConfig.stage_rows``), the hidden
+states come as they are and the kernel packs them on their way in (pack_rows'
+body, four copies of up to 256 rows in flight), so no pack_rows launch reads
+and writes them in HBM first; only the rows past the last whole 8-row tile
+(a DMA of bf16 rows moves whole tiles) are packed by XLA, a few words.
 
 ``gmm_dma_schedule`` is the same walk in numpy for the performance model and
 tests; ``gmm(..., _trace=True)`` makes the kernel itself log every weight DMA it
@@ -409,6 +414,9 @@ def _gmm_kernel(
     has_bias=False,
     rolled_gather=False,
     resident=False,
+    staged=False,
+    stage_rows=0,
+    resident_tail=0,
 ):
     if gather_rw:
         ids_first, ids_next, *rest = rest
@@ -417,6 +425,8 @@ def _gmm_kernel(
         scale_hbm, *rest = rest
     if has_bias:
         bias_hbm, *rest = rest
+    if resident_tail:
+        tail_hbm, *rest = rest  # the last hidden states' rows, packed by XLA
     out_ref, *rest = rest
     if trace:
         trace_ref, *rest = rest
@@ -432,7 +442,12 @@ def _gmm_kernel(
     if gather_rw:
         xw, xsem, *rest = rest
         if resident:
-            hid, hsem = rest  # the packed hidden states, all of them, and their copy's
+            # The packed hidden states, all of them (and, staged, slots of
+            # their rows as they are, on their way to being packed); the
+            # copies' semaphores.
+            hid, *rest = rest
+            stage = rest.pop(0) if staged else None
+            (hsem,) = rest
         lhs_hbm = lhs_ref
     if manual_lhs:
         # One row tile: lhs is copied by hand, so its DMA is queued with the
@@ -487,6 +502,75 @@ def _gmm_kernel(
                 # 1,814 us).
                 for j in range(chunk_m):
                     row(j)
+
+        if resident:
+            # How the hidden states arrive in `hid`: start() before the first
+            # weights' DMAs, finish() after them, before the first tile's rows.
+            if not staged:  # packed by pack_rows in HBM: one copy
+                whole = pltpu.make_async_copy(lhs_hbm, hid, hsem.at[0])
+
+                def arrive_start():
+                    whole.start()
+
+                def arrive_finish():
+                    whole.wait()
+
+            else:  # as they are: staged, then packed here (kernel_pack's body)
+                t_main = hid.shape[0] // rw - resident_tail  # rows packed here
+                bt, slots = stage_rows, tiling.RESIDENT_STAGE_SLOTS
+                n_stage = -(-t_main // bt) if bt else 0
+
+                def stage_start(c):
+                    # The last copy ends at t_main, over rows the one before
+                    # brought (packed again, the same words): every copy is bt
+                    # rows at an 8-row tile, as DMAs of bf16 rows must be.
+                    return pl.multiple_of(jnp.minimum(c * bt, t_main - bt), 8)
+
+                def stage_copy(c):
+                    return pltpu.make_async_copy(
+                        lhs_hbm.at[pl.ds(stage_start(c), bt)],
+                        stage.at[lax.rem(c, slots)],
+                        hsem.at[lax.rem(c, slots)],
+                    )
+
+                # The last rows (under a tile; all of them under 16 tokens),
+                # packed by XLA.
+                tail = (
+                    pltpu.make_async_copy(
+                        tail_hbm, hid.at[pl.ds(t_main * rw, resident_tail * rw)], hsem.at[slots]
+                    )
+                    if resident_tail
+                    else None
+                )
+
+                def arrive_start():
+                    for c in range(min(slots, n_stage)):
+                        stage_copy(c).start()
+                    if tail is not None:
+                        tail.start()
+
+                def pack(c, carry):
+                    # Each 256-column group of a copy's rows is its two 128-lane
+                    # halves packed, stored as every rw-th word row. Padding word
+                    # rows (Gemma 4's 5 of 16) are never unpacked: left as they are.
+                    stage_copy(c).wait()
+                    rows = stage.at[lax.rem(c, slots)]
+                    for g in range(contraction // pairs.GROUP):
+                        hid[pl.ds(stage_start(c) * rw + g, bt, stride=rw), :] = pairs.group_words(
+                            rows, g
+                        )
+
+                    @pl.when(c + slots < n_stage)
+                    def _():
+                        stage_copy(c + slots).start()
+
+                    return carry
+
+                def arrive_finish():
+                    if n_stage:
+                        lax.fori_loop(0, n_stage, pack, 0)
+                    if tail is not None:
+                        tail.wait()
 
         def wait_chunk(sem_i):
             span = xw.at[pl.ds(0, chunk_m * rw)]
@@ -629,8 +713,7 @@ def _gmm_kernel(
             # Resident rows: the hidden states' copy, then the first weights,
             # then the first tile's rows (any of the hidden states').
             if resident:
-                whole = pltpu.make_async_copy(lhs_hbm, hid, hsem.at[0])
-                whole.start()
+                arrive_start()
             else:
                 issue_batch(ids_first, 0, 0, True)
         # The active list. Group ends are monotonic, so a group is active iff
@@ -668,7 +751,7 @@ def _gmm_kernel(
         j1, count, prev = lax.while_loop(head_cond, head, (0, 0, jnp.clip(first_lo, 0, m)))
         if gather_rw:
             if resident:
-                whole.wait()
+                arrive_finish()
                 issue_batch(ids_first, 0, 0, True)
 
             def first(b, c):
@@ -1249,10 +1332,8 @@ def gmm(
         pl.BlockSpec(memory_space=pl.ANY) if hbm_lhs else pl.BlockSpec((bm, k), lhs_map),
         pl.BlockSpec(memory_space=pl.ANY),
     ]
-    if quantized:
-        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    if bias is not None:
-        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    # In the kernel's order: the gathered rows' ids (never with scales), then
+    # scales, then the bias.
     if gather is not None:
         in_specs += [
             pl.BlockSpec((None, 1, bm), lambda n_i, t_i, *_: (0, 0, 0), memory_space=pltpu.SMEM),
@@ -1262,6 +1343,10 @@ def gmm(
                 memory_space=pltpu.SMEM,
             ),
         ]
+    if quantized:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    if bias is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     if packed:
         rw = pairs.row_words(n_out)
         out_specs = [pl.BlockSpec((bm * rw, pairs.GROUP // 2), out_map, **out_single)]
@@ -1315,11 +1400,18 @@ def gmm(
             pltpu.VMEM(((2 * bm + chunk) * gather_rw, pairs.GROUP // 2), jnp.uint32),
             pltpu.SemaphoreType.DMA((2 * (bm // chunk) + 1,)),
         ]
+    # Resident rows staged in the kernel: copies of bt rows (none under 16
+    # tokens), the rows past the last whole 8-row tile packed by XLA.
+    staged = resident and cfg.stage_rows > 0
+    bt = tiling.stage_copy_rows(cfg.stage_rows, lhs.shape[0]) if staged else 0
+    resident_tail = lhs.shape[0] - (lhs.shape[0] // 8 * 8 if bt else 0) if staged else 0
     if resident:
-        scratch += [
-            pltpu.VMEM((lhs.shape[0] * gather_rw, pairs.GROUP // 2), jnp.uint32),
-            pltpu.SemaphoreType.DMA((1,)),
-        ]
+        scratch.append(pltpu.VMEM((lhs.shape[0] * gather_rw, pairs.GROUP // 2), jnp.uint32))
+        if staged:
+            scratch.append(pltpu.VMEM((tiling.RESIDENT_STAGE_SLOTS, max(bt, 16), k), lhs.dtype))
+        scratch.append(pltpu.SemaphoreType.DMA((tiling.RESIDENT_STAGE_SLOTS + 1 if staged else 1,)))
+    if resident_tail:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
     kernel = functools.partial(
         _gmm_kernel,
@@ -1350,6 +1442,9 @@ def gmm(
         has_bias=bias is not None,
         rolled_gather=bool(interpret),
         resident=resident,
+        staged=staged,
+        stage_rows=bt,
+        resident_tail=resident_tail,
     )
     isz = lambda d: jnp.dtype(d).itemsize
     cost = pl.CostEstimate(
@@ -1396,6 +1491,7 @@ def gmm(
                     interleaved=glu_interleaved,
                     bias=bias is not None,
                     resident_tokens=lhs.shape[0] if resident else 0,
+                    stage_rows=cfg.stage_rows if resident else 0,
                 ),
             ),
         ),
@@ -1408,8 +1504,12 @@ def gmm(
     if gather is not None:
         ids = jnp.clip(gather.astype(jnp.int32), 0, lhs.shape[0] - 1)
         ids = jnp.pad(ids, (0, tiles * bm - m)).reshape(tiles, 1, bm)
-        words = kernel_pack.pack_rows(lhs, interpret=interpret)
-        res = call(ends, goff, words, rhs, ids, ids, *extra)
+        if staged:  # packed in the kernel, but for its last rows (under a tile)
+            tail = (pairs.pack_rows(lhs[lhs.shape[0] - resident_tail :]),) if resident_tail else ()
+            res = call(ends, goff, lhs, rhs, ids, ids, *extra, *tail)
+        else:
+            words = kernel_pack.pack_rows(lhs, interpret=interpret)
+            res = call(ends, goff, words, rhs, ids, ids, *extra)
     else:
         res = call(ends, goff, lhs, rhs, *((rhs_scale,) if quantized else ()), *extra)
     return (res[0], res[1]) if _trace else res[0]

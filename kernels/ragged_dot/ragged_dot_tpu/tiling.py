@@ -201,6 +201,10 @@ class GmmConfig:
     resident_rows: with gmm's gather, the hidden states' packed rows are
       copied into VMEM once and each gathered row is a vector load and store
       from there, not a DMA from HBM (RESIDENT_BLOCK_M).
+    stage_rows: with resident_rows, the hidden states arrive as they are and
+      the kernel packs them itself, through RESIDENT_STAGE_SLOTS copies of
+      this many rows (a multiple of 16); 0: kernel_pack.pack_rows packs them
+      in HBM first (RESIDENT_STAGE_ROWS).
     """
 
     block_m: int
@@ -210,10 +214,17 @@ class GmmConfig:
     weight_buffers: int = 3
     merged_tails: tuple = ()
     resident_rows: bool = False
+    stage_rows: int = 0
 
     def __post_init__(self):
         if not isinstance(self.resident_rows, bool):
             raise ValueError(f"resident_rows: expected a bool, got {self.resident_rows!r}")
+        st = self.stage_rows
+        if not isinstance(st, int) or st < 0 or st % 16 or (st and not self.resident_rows):
+            raise ValueError(
+                "stage_rows: expected a non-negative multiple of 16, and 0 without"
+                f" resident_rows; got {st!r} (resident_rows={self.resident_rows})"
+            )
         # A config is a jit static argument: it must hash, so a list is refused here.
         m = self.merged_tails
         if not (isinstance(m, tuple) and all(isinstance(t, int) for t in m)):
@@ -505,6 +516,7 @@ def gmm_vmem_bytes(
     interleaved=False,
     bias=False,
     resident_tokens=0,
+    stage_rows=0,
 ) -> int:
     """VMEM the gmm kernel needs with blocks (bm, bn) (padded to vreg tiles).
 
@@ -522,7 +534,8 @@ def gmm_vmem_bytes(
     With glu, `interleaved`: each piece's gate and up deinterleaved, two more
     f32 temporaries of a piece. `bias` (with or without glu): an f32 bias row
     of the slab's columns (2bn with glu) a weight slot, padded to 8 sublanes.
-    `resident_tokens`: the hidden states' rows kept in VMEM (resident_rows)."""
+    `resident_tokens`: the hidden states' rows kept in VMEM (resident_rows),
+    arriving through the staging copies of `stage_rows` (GmmConfig.stage_rows)."""
     ib, wb, ob = (jnp.dtype(d).itemsize for d in (in_dtype, w_dtype, out_dtype))
     halves = 2 if glu else 1
     tiles = -(-m // bm)
@@ -532,6 +545,7 @@ def gmm_vmem_bytes(
     kp, np_ = _lane(k), _lane(bn)
     if gather:
         need = (2 * bm + chunk + resident_tokens) * _row_bytes(k)
+        need += RESIDENT_STAGE_SLOTS * stage_copy_rows(stage_rows, resident_tokens) * kp * ib
     else:
         need = lhs_bufs * bm * kp * ib
     out_row = _row_bytes(bn) if packed else np_ * ob
@@ -653,6 +667,29 @@ def _best_gmm_blocks(
 # 1,696.9: the row copies from HBM then bind).
 RESIDENT_BLOCK_M = 2048
 
+# Resident hidden states arrive as they are ([T, H] bf16) where VMEM has
+# room for RESIDENT_STAGE_SLOTS copies of one of these row counts beside the
+# launch's blocks (GmmConfig.stage_rows), the largest first, and gmm packs
+# them into VMEM itself (pairs.pack_rows' layout): no pack_rows launch, which
+# read and wrote every hidden state in HBM once more before the kernel read
+# them (48.5 us of a 1,527.9 us Qwen3 layer at 8,192 tokens on v6e). Three
+# copies in flight cover a copy's latency where they hold ~2 MB or more
+# (v6e): Qwen3's gate/up at 8,192 tokens on v6e scheduled 675.6 us through
+# 4 x 256 rows, 679.5 through 4 x 128, 685.7 through 2 x 256; smaller
+# copies would be bound by their latency, so under 128 rows they stay packed
+# by pack_rows (Gemma 4 at 512 tokens on tpu7x: 1.8 MiB to spare, four
+# 128-row copies of its 2,816 columns take 2.75).
+RESIDENT_STAGE_ROWS = (256, 128)
+RESIDENT_STAGE_SLOTS = 4
+
+
+def stage_copy_rows(stage_rows: int, tokens: int) -> int:
+    """Rows of each staging copy of `tokens` hidden states: stage_rows, or
+    fewer where the tokens' whole 8-row tiles (what a DMA of bf16 rows moves)
+    are fewer, a multiple of 16 (bf16 tiles); 0 when they are under 16, and
+    pack_rows in XLA brings every row."""
+    return min(stage_rows, tokens // 8 * 8 // 16 * 16)
+
 
 def gmm_config(
     m: int,
@@ -713,7 +750,15 @@ def gmm_config(
             f" {gen.vmem_budget / MiB:.1f} MiB"
         )
     _, bm, bn, chunk, need, bufs, merged, resident = best
-    return GmmConfig(bm, bn, chunk, _limit(need, gen), bufs, merged, resident)
+    stage = 0
+    if resident:  # the hidden states packed in the kernel, where its copies fit
+        row = _lane(k) * dtype.itemsize
+        for rows in RESIDENT_STAGE_ROWS:
+            more = RESIDENT_STAGE_SLOTS * stage_copy_rows(rows, gather_tokens) * row
+            if more and need + more <= gen.vmem_budget:
+                stage, need = rows, need + more
+                break
+    return GmmConfig(bm, bn, chunk, _limit(need, gen), bufs, merged, resident, stage)
 
 
 def tgmm_vmem_bytes(m, k, n, bm, bk, bn, chunk, in_dtype, out_dtype) -> int:
