@@ -446,7 +446,7 @@ def _gmm_kernel(
             # their rows as they are, on their way to being packed); the
             # copies' semaphores.
             hid, *rest = rest
-            stage = rest.pop(0) if staged else None
+            stage = rest.pop(0) if staged and stage_rows else None
             (hsem,) = rest
         lhs_hbm = lhs_ref
     if manual_lhs:
@@ -1407,8 +1407,8 @@ def gmm(
     resident_tail = lhs.shape[0] - (lhs.shape[0] // 8 * 8 if bt else 0) if staged else 0
     if resident:
         scratch.append(pltpu.VMEM((lhs.shape[0] * gather_rw, pairs.GROUP // 2), jnp.uint32))
-        if staged:
-            scratch.append(pltpu.VMEM((tiling.RESIDENT_STAGE_SLOTS, max(bt, 16), k), lhs.dtype))
+        if bt:
+            scratch.append(pltpu.VMEM((tiling.RESIDENT_STAGE_SLOTS, bt, k), lhs.dtype))
         scratch.append(pltpu.SemaphoreType.DMA((tiling.RESIDENT_STAGE_SLOTS + 1 if staged else 1,)))
     if resident_tail:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
