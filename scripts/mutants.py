@@ -1873,8 +1873,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tiling-vmem-stage-uncounted",
         "kernels/ragged_dot/ragged_dot_tpu/tiling.py",
-        "        need += RESIDENT_STAGE_SLOTS * stage_copy_rows(",
-        "        need += 0 * stage_copy_rows(",
+        "        need += stage_bytes(stage_rows, resident_tokens, k, jnp.dtype(in_dtype))",
+        "        need += 0",
         (
             "tests/ragged_dot/test_compile_gate.py::"
             "test_gate_up_gmm_gathering_its_rows_compiles_at_its_vmem_estimate"

@@ -545,7 +545,7 @@ def gmm_vmem_bytes(
     kp, np_ = _lane(k), _lane(bn)
     if gather:
         need = (2 * bm + chunk + resident_tokens) * _row_bytes(k)
-        need += RESIDENT_STAGE_SLOTS * stage_copy_rows(stage_rows, resident_tokens) * kp * ib
+        need += stage_bytes(stage_rows, resident_tokens, k, jnp.dtype(in_dtype))
     else:
         need = lhs_bufs * bm * kp * ib
     out_row = _row_bytes(bn) if packed else np_ * ob
@@ -691,6 +691,12 @@ def stage_copy_rows(stage_rows: int, tokens: int) -> int:
     return min(stage_rows, tokens // 8 * 8 // 16 * 16)
 
 
+def stage_bytes(stage_rows: int, tokens: int, k: int, dtype) -> int:
+    """VMEM of the RESIDENT_STAGE_SLOTS staging copies of `tokens` [T, k]
+    hidden states (GmmConfig.stage_rows; 0 for none)."""
+    return RESIDENT_STAGE_SLOTS * stage_copy_rows(stage_rows, tokens) * _lane(k) * dtype.itemsize
+
+
 def gmm_config(
     m: int,
     k: int,
@@ -752,9 +758,8 @@ def gmm_config(
     _, bm, bn, chunk, need, bufs, merged, resident = best
     stage = 0
     if resident:  # the hidden states packed in the kernel, where its copies fit
-        row = _lane(k) * dtype.itemsize
         for rows in RESIDENT_STAGE_ROWS:
-            more = RESIDENT_STAGE_SLOTS * stage_copy_rows(rows, gather_tokens) * row
+            more = stage_bytes(rows, gather_tokens, k, dtype)
             if more and need + more <= gen.vmem_budget:
                 stage, need = rows, need + more
                 break
