@@ -31,37 +31,44 @@ def _bits(x):
 SPECIAL = [np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, -3e-39, 65504.0, 3.4e38]
 
 
+# Whole 256-column groups, Gemma 4's padded 2816 and partial last groups:
+# GPT-OSS's 2880 (its last low half 64 columns), 448 (a 64-column high half).
+@example(3, 2880, 1)
+@example(2, 448, 2)
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(
     st.integers(1, 5),
-    st.sampled_from([256, 512, 2048, 2816]),
+    st.sampled_from([256, 512, 2048, 2816, 2880, 320, 448]),
     st.integers(0, 2**16),
 )
 def test_pack_unpack_round_trip_bit_for_bit(rows, n, seed):
     rng = np.random.default_rng(seed)
     y = rng.standard_normal((rows, n)).astype(np.float32) * 10.0 ** rng.integers(-30, 30)
     y.flat[rng.integers(0, y.size, 12)] = rng.choice(SPECIAL, 12)
+    g = -(-n // 256)
     words = pairs.pack(y)
-    assert words.dtype == jnp.uint32 and words.shape == (rows, n // 2)
-    np.testing.assert_array_equal(_bits(pairs.unpack(words)), _bits(y))
-    # The layout the module states: column 256g + c low, 256g + 128 + c high.
+    assert words.dtype == jnp.uint32 and words.shape == (rows, g * 128)
+    np.testing.assert_array_equal(_bits(pairs.unpack(words, n=n)), _bits(y))
+    # The layout the module states: column 256g + c low, 256g + 128 + c high,
+    # zero where a partial last group has no column.
     low = np.asarray(words) & 0xFFFF
     high = np.asarray(words) >> 16
-    ref = _bits(y).reshape(rows, n // 256, 2, 128)
-    np.testing.assert_array_equal(low.reshape(rows, n // 256, 128), ref[:, :, 0])
-    np.testing.assert_array_equal(high.reshape(rows, n // 256, 128), ref[:, :, 1])
-    # pack_rows: a token's n/256 word rows, zero rows up to a whole tile.
+    ref = np.pad(_bits(y), ((0, 0), (0, g * 256 - n))).reshape(rows, g, 2, 128)
+    np.testing.assert_array_equal(low.reshape(rows, g, 128), ref[:, :, 0])
+    np.testing.assert_array_equal(high.reshape(rows, g, 128), ref[:, :, 1])
+    # pack_rows: a token's word rows, zero rows up to a whole tile.
     flat = np.asarray(pairs.pack_rows(y)).reshape(rows, -1, 128)
     assert flat.shape[1] == pairs.row_words(n) == -(-n // 2048) * 8
-    np.testing.assert_array_equal(flat[:, : n // 256].reshape(rows, n // 2), np.asarray(words))
-    assert not flat[:, n // 256 :].any()
+    np.testing.assert_array_equal(flat[:, :g].reshape(rows, g * 128), np.asarray(words))
+    assert not flat[:, g:].any()
     np.testing.assert_array_equal(_bits(pairs.unpack_rows(pairs.pack_rows(y), n)), _bits(y))
 
 
+@example(40, 2880, 16, 3)  # GPT-OSS: a partial last word group
 @settings(max_examples=3, deadline=None, derandomize=True)
 @given(
     st.sampled_from([1, 40, 100]),
-    st.sampled_from([256, 768, 2816]),
+    st.sampled_from([256, 768, 2816, 320, 448]),
     st.sampled_from([None, 16, 32]),
     st.integers(0, 2**16),
 )
@@ -84,8 +91,8 @@ def test_pack_rows_kernel_refuses_what_it_cannot_pack():
 
     with pytest.raises(ValueError, match="pack_rows: x: expected bfloat16"):
         pack_rows(jnp.zeros((4, 256), jnp.float32))
-    with pytest.raises(ValueError, match="multiple of 256"):
-        pack_rows(jnp.zeros((4, 2880), jnp.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_rows(jnp.zeros((4, 2848), jnp.bfloat16))
 
 
 # -- gmm(packed=True) --------------------------------------------------------------
@@ -101,7 +108,7 @@ def packed_problems(draw):
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=g - 1, max_size=g - 1)))
     sizes = np.diff([0, *cuts, total]).tolist()
     weights = draw(st.sampled_from(["bfloat16", "int8"]))
-    n = draw(st.sampled_from([2048, 2816]))
+    n = draw(st.sampled_from([2048, 2816, 2880]))
     cfg = None
     if draw(st.booleans()):
         bm = draw(st.sampled_from([16, 32, 112]))
@@ -111,9 +118,11 @@ def packed_problems(draw):
 
 # Several row tiles with groups across them and a short sum; int8 weights with
 # per-channel scales (the scaled product goes through the same store) and
-# Gemma 4's H = 2816 (11 word rows a token, padded to 16).
+# Gemma 4's H = 2816 (11 word rows a token, padded to 16); GPT-OSS's 2880
+# (256-column pieces and a 64-column tail: a partial last word group).
 @example((False, 100, 40, 2048, [30, 0, 50], "bfloat16", tiling.GmmConfig(32, 2048, 16), 1))
 @example((True, 37, 128, 2816, [20, 14], "int8", None, 2))
+@example((True, 37, 128, 2880, [20, 14], "bfloat16", None, 3))
 @settings(max_examples=1, deadline=None, derandomize=True)
 @given(packed_problems())
 def test_gmm_packed_writes_the_packed_rows_of_its_output(problem):
@@ -135,14 +144,15 @@ def test_gmm_packed_writes_the_packed_rows_of_its_output(problem):
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(pairs.pack_rows(plain)))
 
 
-@pytest.mark.parametrize("n", [2048, 2816])
+@pytest.mark.parametrize("n", [2048, 2816, 320])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_gmm_writes_every_word_of_the_tiles_its_groups_fill(offset, n):
     """gmm zeroes only the row tiles holding rows no group of its shard
     writes: every row of a tile inside the shard's groups must come from a
     pass (groups across tile boundaries, tails reaching back), and packed,
     such a tile's padding words (H = 2816: 11 word rows a token, padded to
-    16) must still be pack_rows' zeros. InterpretParams leaves memory nothing
+    16; H = 320: a partial second group, its last 64 lanes) must still be
+    pack_rows' zeros. InterpretParams leaves memory nothing
     wrote at NaN (the integer max for words), so a row or word left
     unwritten shows. 32-row tiles: with offset 1 the shard's rows [16, 96)
     fill the second and third tile only."""
@@ -171,11 +181,26 @@ def test_gmm_writes_every_word_of_the_tiles_its_groups_fill(offset, n):
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(pairs.pack_rows(plain)))
 
 
+def test_gmm_packed_adds_its_bias_before_packing():
+    """The down gmm's bias (GPT-OSS's) rides into the packed rows: the words
+    are pack_rows of the unpacked gmm's biased bf16 output, bit for bit, a
+    partial last word group (N = 320) included."""
+    rng = np.random.default_rng(4)
+    gs = jnp.asarray([20, 0, 17], jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((37, 128)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 128, 320)) / 11, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((3, 320)), jnp.bfloat16)
+    plain = gmm(lhs, rhs, gs, bias=bias, interpret=True)
+    packed = gmm(lhs, rhs, gs, bias=bias, packed=True, interpret=True)
+    assert not np.array_equal(np.asarray(plain), np.asarray(gmm(lhs, rhs, gs, interpret=True)))
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(pairs.pack_rows(plain)))
+
+
 def test_gmm_packed_refuses_what_it_cannot_pack():
     gs = jnp.asarray([8], jnp.int32)
     lhs = jnp.zeros((8, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="packed needs a bfloat16 output of N a multiple of 256"):
-        gmm(lhs, jnp.zeros((1, 128, 2880), jnp.bfloat16), gs, packed=True)
+    with pytest.raises(ValueError, match="packed needs a bfloat16 output of N a multiple of 64"):
+        gmm(lhs, jnp.zeros((1, 128, 2848), jnp.bfloat16), gs, packed=True)
     with pytest.raises(ValueError, match="packed needs a bfloat16 output.*float32"):
         gmm(lhs.astype(jnp.float32), jnp.zeros((1, 128, 2048), jnp.float32), gs, packed=True)
     with pytest.raises(ValueError, match="config.block_n expected 2048, got 1024"):
@@ -205,15 +230,17 @@ def combine_problems(draw):
     extra = draw(st.sampled_from([0, 5]))
     block_t = draw(st.sampled_from([None, 16, 32]))
     out = draw(st.sampled_from(["bfloat16", "float32"]))
-    h = draw(st.sampled_from([2048, 2816]))
+    h = draw(st.sampled_from([2048, 2816, 2880, 448]))
     return t, k, extra, block_t, out, h, draw(st.integers(0, 2**16))
 
 
 # Several token tiles and a partial last one (the three slots wrap around, the
 # last tile is fetched again); a single tile with rows no slot names, at
-# Gemma 4's H = 2816 (padded word rows).
+# Gemma 4's H = 2816 (padded word rows); GPT-OSS's 2880 (a partial last word
+# group: its low half 64 columns) in two tiles.
 @example((40, 8, 0, 16, "bfloat16", 2048, 3))
 @example((7, 2, 5, None, "float32", 2816, 4))
+@example((20, 4, 5, 16, "bfloat16", 2880, 5))
 @settings(max_examples=1, deadline=None, derandomize=True)
 @given(combine_problems())
 def test_combine_matches_f32_sum_of_the_same_rows(problem):
@@ -273,8 +300,8 @@ def test_combine_refuses_bad_input():
     rows = jnp.zeros((16, 128), jnp.uint32)  # two rows of H = 2048
     slots = jnp.zeros((2, 1), jnp.int32)
     w = jnp.ones((2, 1), jnp.float32)
-    with pytest.raises(ValueError, match="hidden: expected a multiple of 256, got 2880"):
-        combine(rows, slots, w, hidden=2880)
+    with pytest.raises(ValueError, match="hidden: expected a multiple of 64, got 2848"):
+        combine(rows, slots, w, hidden=2848)
     with pytest.raises(ValueError, match=r"rows: expected uint32 \[S \* 8, 128\]"):
         combine(rows.astype(jnp.int32), slots, w, hidden=2048)
     with pytest.raises(ValueError, match=r"rows: expected a multiple of 8 rows \(pairs.row_words"):
@@ -340,13 +367,21 @@ def test_combine_steps_copy_for_about_a_dma_latency(generation, hidden, k):
 
 @pytest.mark.parametrize(
     "hidden, generation, packs",
-    [(2048, "tpu7x", True), (2816, "v6e", True), (2816, "tpu7x", True), (2880, "v6e", False)],
+    [
+        (2048, "tpu7x", True),
+        (2816, "v6e", True),
+        (2816, "tpu7x", True),
+        (2880, "v6e", True),
+        (2880, "tpu7x", False),
+        (2848, "v6e", False),
+    ],
 )
 def test_the_layer_combines_in_the_kernel_where_tiling_says(hidden, generation, packs):
     """Past the one-hot routing's range (520 tokens) inference writes packed
     rows for the combine where tiling.combine_in_kernel allows: unpadded rows
-    and Gemma 4's padded ones on every generation, H = 2880 nowhere (traced,
-    not run)."""
+    and Gemma 4's padded ones on every generation, GPT-OSS's partial last
+    word group (H = 2880) but on tpu7x, H not a multiple of 64 nowhere
+    (traced, not run)."""
     from ragged_dot_tpu.api import moe_experts
 
     e, i, t, k = 4, 128, 520, 2
@@ -362,5 +397,5 @@ def test_the_layer_combines_in_the_kernel_where_tiling_says(hidden, generation, 
     jaxpr = jax.make_jaxpr(lambda *a: moe_experts(*a, **kw, activation="silu", config=generation))(
         *args
     )
-    assert tiling.combine_in_kernel(hidden) == packs
+    assert tiling.combine_in_kernel(hidden, generation) == packs
     assert ("moe_combine" in str(jaxpr)) == packs

@@ -819,3 +819,39 @@ def test_one_launch_decode_layer_compiles(point, pool):
 @pytest.mark.parametrize("point", GPT_OSS_DECODE_POINTS, ids=_id)
 def test_gpt_oss_one_launch_decode_layer_compiles(point, pool):
     pool.assert_ok(__file__, point)
+
+
+@pytest.mark.parametrize("hidden", [2880, 3008])
+def test_partial_word_groups_pack_gather_and_combine_compile(hidden):
+    # H not a multiple of 256 packs its last word group partially (pairs.py):
+    # lane-prefix slices of 64 columns (GPT-OSS's 2880: the low half; 3008: a
+    # whole low half and 64 columns of the high one), masked loads, stores and
+    # concatenations Mosaic must accept. One small program on v6e: the hidden
+    # states packed (kernel_pack), a gate/up gmm staging and packing its own
+    # rows, the down gmm's packed output with a bias, and the combine.
+    # (GPT-OSS's layer at its own shapes, its gate/up gmm fetching rows packed
+    # by kernel_pack, compiles in test_gpt_oss_layer_with_its_epilogues_compiles.)
+    from ragged_dot_tpu.kernel_pack import pack_rows
+
+    t, k, e, i = 512, 4, 4, 256
+    m = t * k
+    glu = ("silu", 1.702, 7.0)
+    staged = tiling.GmmConfig(256, i, 64, resident_rows=True, stage_rows=128)
+
+    def fn(x, w_up, w_down, bias, sizes, ids, slots, weights):
+        packed_hidden = pack_rows(x)
+        a = gmm(x, w_up, sizes, transpose_rhs=True, glu=glu, gather=ids, config=staged)
+        rows = gmm(a, w_down, sizes, bias=bias, packed=True, config="v6e")
+        return packed_hidden, combine(rows, slots, weights, hidden=hidden)
+
+    args = [
+        spec((t, hidden)),
+        spec((e, 2 * i, hidden)),
+        spec((e, i, hidden)),
+        spec((e, hidden)),
+        spec((e,), jnp.int32),
+        spec((m,), jnp.int32),
+        spec((t, k), jnp.int32),
+        spec((t, k), jnp.float32),
+    ]
+    assert_compiles(fn, args, "v6e")

@@ -1089,7 +1089,9 @@ def test_gmm_glu_refuses_what_it_cannot_fuse():
 def gather_problems(draw):
     transpose = draw(st.booleans())
     t = draw(st.sampled_from([5, 40, 96]))
-    k = draw(st.sampled_from([256, 768]))  # 768: three word groups, padded to 8 rows
+    # 768: three word groups, padded to 8 rows; 320 and 448: a partial last
+    # group (its low half 64 columns; its high half 64), as GPT-OSS's 2880.
+    k = draw(st.sampled_from([256, 768, 320, 448]))
     i = draw(st.sampled_from([128, 256]))
     m = draw(st.sampled_from([24, 100, 190]))
     sizes = _sizes(draw, m, draw(st.integers(1, 4)))
@@ -1187,6 +1189,22 @@ def _gather_case(problem):
         8,
     )
 )
+# A partial last word group (GPT-OSS's H = 2880 has one): rows staged and
+# packed in the kernel (K = 320), and rows fetched from pack_rows' words (448).
+@example(
+    (
+        False,
+        40,
+        320,
+        128,
+        100,
+        [60, 40],
+        tiling.GmmConfig(64, 128, 32, resident_rows=True, stage_rows=16),
+        "silu",
+        9,
+    )
+)
+@example((True, 40, 448, 128, 100, [37, 63], tiling.GmmConfig(64, 128, 32), None, 10))
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(gather_problems())
 def test_gmm_gathers_its_rows_as_xla_would(problem):

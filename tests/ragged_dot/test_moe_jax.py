@@ -309,18 +309,20 @@ def test_inference_adds_the_gate_up_bias_in_the_gate_up_kernel():
 
 
 @pytest.mark.parametrize(
-    "weights, generation, t, fused",
+    "weights, generation, t, fused, packs, gathers",
     [
-        ("bf16", "v5e", 8192, True),
-        ("bf16", "v6e", 8192, True),
-        ("bf16", "tpu7x", 8192, False),
-        ("bf16", "v6e", 240, False),  # past the one-launch layer (238 tokens)
-        ("mxfp4", "v6e", 2048, True),
-        ("mxfp4", "tpu7x", 2048, False),
-        ("mxfp4", "tpu7x", 8192, True),
+        ("bf16", "v5e", 8192, True, True, True),
+        ("bf16", "v6e", 8192, True, True, True),
+        ("bf16", "tpu7x", 8192, False, False, False),
+        ("bf16", "v6e", 240, False, True, False),  # past the one-launch layer (238 tokens)
+        ("mxfp4", "v6e", 2048, True, True, False),
+        ("mxfp4", "tpu7x", 2048, False, False, False),
+        ("mxfp4", "tpu7x", 8192, True, False, False),
     ],
 )
-def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(weights, generation, t, fused):
+def test_gpt_oss_layer_takes_the_kernels_its_shapes_allow(
+    weights, generation, t, fused, packs, gathers
+):
     """GPT-OSS-20B (traced, not run): I = 2,880 columns admit no block but
     the whole expert, [2880, 5760] bf16 = 33 MB a weight slot. Two fit v5e's
     and v6e's VMEM, not tpu7x's: there the gate/up gmm writes the projection
@@ -328,7 +330,11 @@ def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(weights, gen
     tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS rows an expert (240 tokens: 30), nor
     in FP4 where the whole-expert slabs leave smaller row tiles than the
     unfused product's (tpu7x at 2,048 tokens). Fused or not, the gate/up gmm
-    adds its bias and the down gmm its own (no bias rows gathered)."""
+    adds its bias and the down gmm its own (no bias rows gathered).
+    H = 2880 packs with a partial last word group (12 word rows of 16 a
+    token): the down gmm writes packed rows for kernel_combine but on tpu7x
+    (tiling.combine_in_kernel), and the fused bf16 gate/up gmm gathers its
+    own rows; XLA gathers [S, H] rows only where neither does."""
     e, k, h, i = 32, 4, 2880, 2880
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -342,16 +348,26 @@ def test_gpt_oss_gate_up_applies_its_activation_where_its_slabs_fit(weights, gen
     kw = _kw(LAYOUTS[1], e, config=generation)
     assert kw["is_concatenated"] is False and kw["activation"] == "gpt_oss"
     closed = jax.make_jaxpr(lambda *a: moe_experts(*a, **kw))(*args)
-    # The gate/up gmm's [S, I] or [S, 2I] and the down gmm's [S, H] (I = H).
+    assert tiling.combine_in_kernel(h, generation) == packs
+    # The gate/up gmm's [S, I] or [S, 2I], and the down gmm's [S, H] (I = H)
+    # or its packed rows.
     widths = _pallas_widths(closed)
-    assert widths.count((t * k, i)) == 1 + fused and ((t * k, 2 * i) in widths) != fused
-    # [S, H] gathers: the dispatch's rows and the combine's past the one-hot
-    # routing's range (H = 2880 is not packable), never rows of either bias
-    # (the gate/up gmm adds its bias fused or not).
-    routed = 0 if tiling.route_by_matmul(t, bf, bf) else 2
+    assert widths.count((t * k, i)) == fused + (not packs)
+    assert ((t * k, 2 * i) in widths) != fused
+    assert ((t * k * 16, 128) in widths) == packs
+    assert ((t, h) in widths) == packs  # kernel_combine's output
+    # [S, H] gathers: the dispatch's rows where the gate/up gmm does not
+    # gather them and the combine's where no kernel sums them, past the
+    # one-hot routing's range; never rows of either bias (the gate/up gmm
+    # adds its bias fused or not).
+    routed = 0 if tiling.route_by_matmul(t, bf, bf) else (not gathers) + (not packs)
     text = str(closed)
     assert len(re.findall(rf"\[{t * k},{h}\] = gather", text)) == routed
     assert not re.findall(rf"\[{t * k},{2 * i}\] = gather", text)
+    # [S, H] rows a kernel reads: the down gmm's [S, I], and the gate/up
+    # gmm's gathered rows where it does not gather them itself.
+    inputs = [shape for ins, _ in _pallas_io(closed) for shape in ins]
+    assert inputs.count((t * k, h)) == 1 + (not gathers)
 
 
 @pytest.mark.parametrize(

@@ -229,15 +229,19 @@ def _layer_arrays(rng, t, h, i, e, k, bias_scale=None):
     return hidden, ids, weights, gu, gu_s, dn, dn_s, gu_b, dn_b
 
 
-def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
+@pytest.mark.parametrize("h", [160, 192], ids=["xla_combine", "kernel_combine"])
+def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels(h):
     """GPT-OSS's checkpoint layer without a gradient: the gate/up gmm writes
     act(gate + b) * (up + b) ([S, I], not the [S, 2I] projection) and the
     down gmm adds its bias; the result is the unfused (training) forward's,
-    bit for bit."""
+    bit for bit where XLA combines (H = 160 does not pack: pairs.packable).
+    Where H packs (192: a partial word group, as GPT-OSS's 2880) the down
+    gmm writes its biased rows packed and kernel_combine sums them in f32 in
+    its own order: within a bf16 ulp of the output's scale."""
     rng = np.random.default_rng(9)
     # 100 tokens: 33 rows an expert (tiling.GLU_INTERLEAVED_MIN_GROUP_ROWS);
     # h apart from i and 2i: the launches tell apart.
-    t, h, i, e, k = 100, 192, 128, 6, 2
+    t, i, e, k = 100, 128, 6, 2
     hidden, ids, weights, gu, gu_s, dn, dn_s, gu_b, dn_b = _layer_arrays(rng, t, h, i, e, k, 0.3)
     kw = dict(num_experts=e, is_transposed=True, is_concatenated=False, activation="gpt_oss")
 
@@ -247,9 +251,15 @@ def test_mxfp4_gpt_oss_inference_applies_bias_and_activation_in_its_kernels():
     text = str(jax.make_jaxpr(layer)(hidden, weights))
     assert f"bf16[{t * k},{i}] = pallas_call" in text
     assert f"bf16[{t * k},{2 * i}] = pallas_call" not in text
+    packs = h % 64 == 0
+    assert ("moe_combine" in text) == packs
     inference = np.asarray(layer(hidden, weights), np.float32)
     training = np.asarray(jax.vjp(layer, hidden, weights)[0], np.float32)
-    np.testing.assert_array_equal(inference, training)
+    if packs:
+        scale = np.abs(training).max()
+        np.testing.assert_allclose(inference, training, rtol=2**-7, atol=2**-7 * scale)
+    else:
+        np.testing.assert_array_equal(inference, training)
 
 
 @pytest.mark.parametrize(

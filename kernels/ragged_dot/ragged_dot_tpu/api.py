@@ -400,7 +400,9 @@ def _moe_program(
         return gmm_as_stored(x, w, group_sizes, down_scale, down_config, bias=down_bias)
 
     def down_combine(x, w, group_sizes, slots, weights):
-        rows = gmm_as_stored(x, w, group_sizes, down_scale, down_config, packed=True)
+        rows = gmm_as_stored(
+            x, w, group_sizes, down_scale, down_config, packed=True, bias=down_bias
+        )
         return combine(
             rows,
             slots,
@@ -490,7 +492,7 @@ def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool
         or hidden.shape[0] < tiling.GATHER_MIN_TOKENS
         # rows packed as the combine's are (padded to whole tiles where H is
         # not a multiple of 2048)
-        or not tiling.combine_in_kernel(h)
+        or not tiling.combine_in_kernel(h, config if isinstance(config, str) else None)
     ):
         return False
     w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
@@ -563,15 +565,13 @@ def _glu_fusable(
 
 def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, config) -> bool:
     """Whether the down gmm writes its rows packed for kernel_combine (gmm's
-    packed=True): bf16 hidden states and projection, no down bias, not FP4
-    weights, H as tiling.combine_in_kernel allows, and the down gmm's blocks
-    (as given or as tiling picks them) covering all of H."""
+    packed=True): bf16 hidden states and projection, H as
+    tiling.combine_in_kernel allows, and the down gmm's blocks (as given or
+    as tiling picks them) covering all of H. A down bias is added in the
+    gmm's epilogue before its rows are packed, as the unpacked gmm adds it."""
     h = hidden.shape[1]
-    if (
-        hidden.dtype != jnp.bfloat16
-        or bias is not None
-        or mxfp4.is_mxfp4(down.dtype)
-        or not tiling.combine_in_kernel(h)
+    if hidden.dtype != jnp.bfloat16 or not tiling.combine_in_kernel(
+        h, config if isinstance(config, str) else None
     ):
         return False
     out_dtype = down.dtype if jnp.dtype(down.dtype).itemsize > 1 else hidden.dtype
@@ -580,7 +580,18 @@ def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, conf
     w, transpose_rhs, _ = _hbm_view(down, not is_transposed)
     k, n = (w.shape[2], w.shape[1]) if transpose_rhs else w.shape[1:]
     m = top_k_index.shape[0] * top_k_index.shape[1]
-    cfg = resolve_config(config, m, k, n, w.shape[0], hidden.dtype, w.dtype, out_dtype, packed=True)
+    cfg = resolve_config(
+        config,
+        m,
+        k,
+        n,
+        w.shape[0],
+        hidden.dtype,
+        w.dtype,
+        out_dtype,
+        packed=True,
+        bias=bias is not None,
+    )
     return n == h and cfg.block_n == n
 
 

@@ -80,7 +80,7 @@ def combine_reference(rows, slots, weights, *, hidden, out_dtype=jnp.bfloat16):
 
 def _check(rows, slots, weights, hidden, out_dtype):
     if not pairs.packable(hidden):
-        raise ValueError(f"combine: hidden: expected a multiple of 256, got {hidden}")
+        raise ValueError(f"combine: hidden: expected a multiple of {pairs.PIECE}, got {hidden}")
     rw = pairs.row_words(hidden)
     if rows.ndim != 2 or rows.dtype != jnp.uint32 or rows.shape[1] != pairs.GROUP // 2:
         raise ValueError(
@@ -128,14 +128,14 @@ def combine(
       weights: float [T, k]: each slot's weight (0 for a slot that counts for
         nothing: its row is still read, and 0 x inf is NaN as in XLA's sum).
       out_dtype: bfloat16 or float32.
-      hidden: H, a multiple of 256 (pairs.packable).
+      hidden: H, a multiple of 64 (pairs.packable).
       block_t: tokens a grid step (default tiling.combine_block_t for
         `generation`, the attached chip's if None).
 
     Returns [T, H] in out_dtype.
     """
     _check(rows, slots, weights, hidden, out_dtype)
-    ng = hidden // pairs.GROUP
+    ng = pairs.groups(hidden)
     rw = pairs.row_words(hidden)
     s = rows.shape[0] // rw
     t, k = slots.shape
@@ -193,15 +193,18 @@ def combine(
                 fetch(ahead_ref, into, r0, SUB)
                 wv = w_ref[pl.ds(r0, SUB), :]
                 for g in range(ng):
-                    low = high = jnp.zeros((SUB, half), jnp.float32)
+                    # A partial last group sums only the columns it holds.
+                    sums = [jnp.zeros((SUB, w), jnp.float32) for w in pairs.widths(h, g) if w]
                     for j in range(k):
                         words = buf[pl.ds((j * bt + r0) * rw + g, SUB, stride=rw), :]
-                        a, b_ = pairs.halves(words)
                         wj = wv[:, j : j + 1]
-                        low, high = low + a * wj, high + b_ * wj
+                        values = pairs.group_values(words, h, g)
+                        sums = [s + v * wj for s, v in zip(sums, values)]
                     o = g * pairs.GROUP
-                    out_ref[pl.ds(r0, SUB), pl.ds(o, half)] = low.astype(out_ref.dtype)
-                    out_ref[pl.ds(r0, SUB), pl.ds(o + half, half)] = high.astype(out_ref.dtype)
+                    for p, v in enumerate(sums):
+                        out_ref[pl.ds(r0, SUB), pl.ds(o + p * half, v.shape[1])] = v.astype(
+                            out_ref.dtype
+                        )
                 return carry
 
             lax.fori_loop(0, bt // SUB, part, 0, unroll=True)

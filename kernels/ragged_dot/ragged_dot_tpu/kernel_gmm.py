@@ -458,7 +458,7 @@ def _gmm_kernel(
     n_i = pl.program_id(0)
     t_i = pl.program_id(1)
     piece_n, n_pieces, tail_n = tiling.gmm_pieces(
-        block_n, tiling.widest_piece(wbuf.dtype, glu is not None)
+        block_n, tiling.widest_piece(wbuf.dtype, glu is not None), packed
     )
     rows = functools.partial(_local_rows, ends_ref, goff_ref, m=m, num_groups=num_groups)
     if gather_rw:
@@ -555,7 +555,7 @@ def _gmm_kernel(
                     # rows (Gemma 4's 5 of 16) are never unpacked: left as they are.
                     stage_copy(c).wait()
                     rows = stage.at[lax.rem(c, slots)]
-                    for g in range(contraction // pairs.GROUP):
+                    for g in range(pairs.groups(contraction)):
                         hid[pl.ds(stage_start(c) * rw + g, bt, stride=rw), :] = pairs.group_words(
                             rows, g
                         )
@@ -601,9 +601,9 @@ def _gmm_kernel(
             """Rows [r0, r0 + size) of the tile, unpacked from their words."""
             base = gslot * block_m * rw + r0 * rw
             parts = []
-            for g in range(contraction // pairs.GROUP):
+            for g in range(pairs.groups(contraction)):
                 words = xw[pl.ds(base + g, size, stride=rw), :]
-                parts.extend(pairs.halves(words))
+                parts.extend(pairs.group_values(words, contraction, g))
             return jnp.concatenate(parts, axis=1)
 
     # state: 0 = number of active groups, 1 = cursor into the active list for
@@ -798,7 +798,7 @@ def _gmm_kernel(
     # padding words being pack_rows' zeros: zeroing those alone, five strided
     # stores a tile, scheduled slower (down gmm at 8,192 tokens, tpu7x, 518.9
     # -> 528.8 us).
-    padded = packed and pairs.row_words(block_n) > block_n // pairs.GROUP
+    padded = packed and pairs.row_words(block_n) > pairs.groups(block_n)
     inside = jnp.logical_and(tile_lo >= shard_lo, tile_hi <= shard_hi)
 
     @pl.when(jnp.logical_or(padded, jnp.logical_not(inside)))
@@ -895,8 +895,9 @@ def _gmm_kernel(
         def add_bias(y, c0, width):
             """The group's bias on slab columns [c0, c0 + width) added to the
             product rounded to the output dtype, rounded again (proj + bias)."""
-            y = y.astype(out_ref.dtype).astype(jnp.float32)
-            return (y + bbuf[slot, :, pl.ds(c0, width)]).astype(out_ref.dtype)
+            dtype = jnp.bfloat16 if packed else out_ref.dtype  # packed: bf16 words
+            y = y.astype(dtype).astype(jnp.float32)
+            return (y + bbuf[slot, :, pl.ds(c0, width)]).astype(dtype)
 
         def store(r0, size, c0, width, y, keep):
             if has_bias and not glu:  # glu adds it before the activation
@@ -905,7 +906,7 @@ def _gmm_kernel(
                 # pairs.pack_rows: each 256-column group of the piece is one
                 # row of words a token, every rw-th row of the block.
                 rw = pairs.row_words(block_n)
-                for gg in range(width // pairs.GROUP):
+                for gg in range(pairs.groups(width)):
                     g = lax.div(c0, pairs.GROUP) + gg
                     words = pairs.group_words(y, gg)
                     dst = (pl.ds(r0 * rw + g, size, stride=rw), slice(None))
@@ -1144,7 +1145,7 @@ def gmm(
       packed: the bf16 output written as pairs.pack_rows lays it out, uint32
         [M * pairs.row_words(N), 128] (N the output's columns): each row's words are
         contiguous, for the combine kernel to fetch by DMA. Needs a bf16
-        output, N a multiple of 256 (pairs.packable) and the whole of N
+        output, N a multiple of 64 (pairs.packable) and the whole of N
         in one block.
 
     Returns:
@@ -1161,7 +1162,7 @@ def gmm(
         ):
             raise ValueError(
                 "gmm: gather needs bfloat16 lhs [T, K] with K a multiple of"
-                f" {pairs.GROUP} and integer row ids [M]; got lhs {lhs.dtype}"
+                f" {pairs.PIECE} and integer row ids [M]; got lhs {lhs.dtype}"
                 f" {tuple(lhs.shape)}, gather {gather.dtype} {tuple(gather.shape)}"
             )
         if scale_axis is not None or quantize_lhs:
@@ -1268,7 +1269,7 @@ def gmm(
     out_dtype = jnp.dtype(preferred_element_type or tiling.default_out_dtype(lhs.dtype, rhs.dtype))
     if packed and (out_dtype != jnp.bfloat16 or not pairs.packable(n_out)):
         raise ValueError(
-            "gmm: packed needs a bfloat16 output of N a multiple of 256 columns; got"
+            f"gmm: packed needs a bfloat16 output of N a multiple of {pairs.PIECE} columns; got"
             f" {out_dtype.name}, N={n_out}"
         )
     if m == 0 or n_out == 0 or k == 0 or num_local == 0 or num_groups == 0:
@@ -1380,7 +1381,9 @@ def gmm(
                     k,
                     slab_n
                     // bn
-                    * tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype, glu is not None))[0],
+                    * tiling.gmm_pieces(bn, tiling.widest_piece(w_dtype, glu is not None), packed)[
+                        0
+                    ],
                 ),
                 compute_dtype,
             ),

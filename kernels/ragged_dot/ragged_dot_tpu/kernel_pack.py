@@ -29,11 +29,12 @@ MAX_BLOCK_T = 2048
 
 
 def pack_rows(x, *, block_t=None, interpret=False):
-    """[T, H] (H a multiple of 256) -> pairs.pack_rows(x), bit for bit."""
+    """[T, H] (H pairs.packable: a multiple of 64) -> pairs.pack_rows(x), bit
+    for bit."""
     t, h = x.shape
     if x.dtype != jnp.bfloat16 or not pairs.packable(h):
         raise ValueError(
-            f"pack_rows: x: expected bfloat16 [T, H] with H a multiple of {pairs.GROUP},"
+            f"pack_rows: x: expected bfloat16 [T, H] with H a multiple of {pairs.PIECE},"
             f" got {x.dtype} {tuple(x.shape)}"
         )
     rw = pairs.row_words(h)
@@ -43,9 +44,9 @@ def pack_rows(x, *, block_t=None, interpret=False):
     bt = min(block_t, -(-t // 16) * 16)
 
     def kernel(x_ref, out_ref):
-        if rw > h // pairs.GROUP:  # padding word rows are written as zeros
+        if rw > pairs.groups(h):  # padding word rows are written as zeros
             out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
-        for g in range(h // pairs.GROUP):
+        for g in range(pairs.groups(h)):
             out_ref[pl.ds(g, bt, stride=rw), :] = pairs.group_words(x_ref, g)
 
     return pl.pallas_call(

@@ -135,12 +135,12 @@ def experts_program(
     None, or (activated, down, group_sizes, slots, weights) -> [T, H] in
     hidden's dtype, the down projection and the combine as kernels where the
     layer gathers (slots [T, k]: each token's rows in sorted order; weights
-    [T, k], 0 where a slot is not this shard's; the caller has checked there
-    is no down bias); not differentiated. glu_gathers: matmul_glu takes the
+    [T, k], 0 where a slot is not this shard's; the down bias, if any, added
+    in the down matmul's epilogue); not differentiated. glu_gathers: matmul_glu takes the
     hidden states and the rows' token ids (gather=) and fetches each row
     itself, in place of a [T * k, H] copy made first (XLA's gather, or in
     the one-hot range the dispatch matmul); the caller has checked
-    matmul_glu can: bf16 hidden states, H a multiple of 256. matmul_down:
+    matmul_glu can: bf16 hidden states, H pairs.packable. matmul_down:
     None, or (activated, down, group_sizes) -> [S, H] in `dtype` with the
     down bias added in the matmul's epilogue, where down_combine is None;
     not differentiated. matmul_up: None, or (x, gate_up, group_sizes) ->

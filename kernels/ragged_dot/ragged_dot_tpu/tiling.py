@@ -347,7 +347,7 @@ def weight_minor_swapped(shape) -> bool:
     return swapped < as_given
 
 
-def gmm_pieces(block_n: int, widest: int = 512) -> tuple[int, int, int]:
+def gmm_pieces(block_n: int, widest: int = 512, packed: bool = False) -> tuple[int, int, int]:
     """(piece width, full pieces, tail width) of a gmm weight slab.
 
     An aligned slab is consumed in `piece` columns (`widest` pieces and a
@@ -356,11 +356,15 @@ def gmm_pieces(block_n: int, widest: int = 512) -> tuple[int, int, int]:
     2880-wide piece, a transposed slab ([N, K], d_lhs) made Mosaic emit one
     unrolled transpose of the whole slab (17 s to compile one kernel).
     FP4 slabs take `widest` = MXFP4_PIECE: each piece is decoded into
-    temporaries of its full depth first."""
+    temporaries of its full depth first. A packed output (gmm(packed=True))
+    is stored a 256-column word group at a time, so its pieces start on
+    group boundaries (pairs.GROUP)."""
     if block_n % 128 and block_n > min(256, widest):
         w = min(256, widest)
         return w, block_n // w, block_n % w
     p = piece(block_n, widest)
+    if packed and p % pairs.GROUP and block_n > p:
+        return pairs.GROUP, block_n // pairs.GROUP, block_n % pairs.GROUP
     if p < widest < block_n:
         # An aligned slab that `widest` does not divide (Gemma 4's 1408 = 11 x
         # 128): widest pieces and an aligned tail, not 11 passes of 128 columns,
@@ -567,7 +571,7 @@ def gmm_vmem_bytes(
     # quantized (quantized weights); else they are the rows as read, which
     # for Mixtral's down projection (K = 14,336) is what sets its blocks.
     need += rows * kp * (4 if is_quantized(w_dtype) else ib)
-    p, _, tail = gmm_pieces(bn, widest_piece(w_dtype, glu))
+    p, _, tail = gmm_pieces(bn, widest_piece(w_dtype, glu), packed)
     for pp in (_lane(p), _lane(tail) if tail else 0):
         need += (2 * halves + 1 + 2 * interleaved) * rows * pp * 4 + rows * pp * ob
         if mx:  # the decode's temporaries and the decoded piece kept in VMEM
@@ -1148,11 +1152,21 @@ COMBINE_ROWS_BYTES = 16 * MiB
 # rows and the combine issues its copies from constant addresses, the kernels
 # win there too: Gemma 4 on tpu7x, the layer by its schedule, 614.5 -> 566.5
 # us at 512 tokens, 821.6 -> 749.1 at 2,048, 1,876.7 -> 1,873.6 at 8,192.
-def combine_in_kernel(hidden: int) -> bool:
+#
+# A partial last word group (GPT-OSS's H = 2880, since 2026-12-07) packs too,
+# except on tpu7x: GPT-OSS's down gmm there is bound by its bundles (whole-expert
+# slabs on the MXU), and the packing's strided stores, at 16 word rows a token
+# two sublanes an op, add 17% to each of its passes (1,393 -> 1,629 bundles),
+# more than XLA's gather and sum cost on tpu7x's HBM: its bf16 layer at 8,192
+# tokens 3,519.4 -> 3,583.2 us with the kernel (v6e 3,599.9 -> 3,446.7).
+def combine_in_kernel(hidden: int, generation: str | None = None) -> bool:
     """Whether the MoE layer's combine runs as kernel_combine on packed rows
     (else XLA gathers and sums): H packable (pairs.packable), whether or not
-    a token's words are padded to whole tiles."""
-    return pairs.packable(hidden)
+    a token's words are padded to whole tiles; with a partial last group, not
+    on tpu7x (the attached chip's generation if None)."""
+    if not pairs.packable(hidden):
+        return False
+    return hidden % pairs.GROUP == 0 or get_generation(generation).name != "tpu7x"
 
 
 def combine_block_t(tokens: int, k: int, hidden: int, generation: str | None = None) -> int:
