@@ -183,13 +183,15 @@ def test_gmm_writes_every_word_of_the_tiles_its_groups_fill(offset, n):
 
 def test_gmm_packed_adds_its_bias_before_packing():
     """The down gmm's bias (GPT-OSS's) rides into the packed rows: the words
-    are pack_rows of the unpacked gmm's biased bf16 output, bit for bit, a
-    partial last word group (N = 320) included."""
+    are pack_rows of the unpacked gmm's biased bf16 output, bit for bit. N =
+    384: a partial last word group (its high half empty), and 128-column
+    pieces unpacked, which packed take 256 (tiling.gmm_pieces: a piece
+    starts on a word group)."""
     rng = np.random.default_rng(4)
     gs = jnp.asarray([20, 0, 17], jnp.int32)
     lhs = jnp.asarray(rng.standard_normal((37, 128)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.standard_normal((3, 128, 320)) / 11, jnp.bfloat16)
-    bias = jnp.asarray(rng.standard_normal((3, 320)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 128, 384)) / 11, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((3, 384)), jnp.bfloat16)
     plain = gmm(lhs, rhs, gs, bias=bias, interpret=True)
     packed = gmm(lhs, rhs, gs, bias=bias, packed=True, interpret=True)
     assert not np.array_equal(np.asarray(plain), np.asarray(gmm(lhs, rhs, gs, interpret=True)))
@@ -237,10 +239,11 @@ def combine_problems(draw):
 # Several token tiles and a partial last one (the three slots wrap around, the
 # last tile is fetched again); a single tile with rows no slot names, at
 # Gemma 4's H = 2816 (padded word rows); GPT-OSS's 2880 (a partial last word
-# group: its low half 64 columns) in two tiles.
+# group: its low half 64 columns) in two tiles; 448 (a partial high half).
 @example((40, 8, 0, 16, "bfloat16", 2048, 3))
 @example((7, 2, 5, None, "float32", 2816, 4))
 @example((20, 4, 5, 16, "bfloat16", 2880, 5))
+@example((9, 2, 0, None, "bfloat16", 448, 6))
 @settings(max_examples=1, deadline=None, derandomize=True)
 @given(combine_problems())
 def test_combine_matches_f32_sum_of_the_same_rows(problem):

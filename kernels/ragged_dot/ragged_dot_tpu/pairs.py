@@ -26,10 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 GROUP = 256  # columns whose 128 + 128 halves share 128 words
-HIGH = 0xFFFF0000
-
-
 HALF = GROUP // 2
+HIGH = 0xFFFF0000
 # A partial group's halves are lane-prefix slices; widths in whole 64-lane
 # pieces are the ones compiled (the compile gate: GPT-OSS's 2880, and 3008
 # for a partial high half).
