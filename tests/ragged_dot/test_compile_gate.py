@@ -826,31 +826,36 @@ def test_partial_word_groups_pack_gather_and_combine_compile(hidden):
     # H not a multiple of 256 packs its last word group partially (pairs.py):
     # lane-prefix slices of 64 columns (GPT-OSS's 2880: the low half; 3008: a
     # whole low half and 64 columns of the high one), masked loads, stores and
-    # concatenations Mosaic must accept. One small program on v6e: the hidden
-    # states packed (kernel_pack), a gate/up gmm staging and packing its own
-    # rows, the down gmm's packed output with a bias, and the combine.
-    # (GPT-OSS's layer at its own shapes, its gate/up gmm fetching rows packed
-    # by kernel_pack, compiles in test_gpt_oss_layer_with_its_epilogues_compiles.)
+    # concatenations Mosaic must accept, on v6e. At 2880 the gate/up gmm that
+    # stages and packs its own rows (GPT-OSS's layer at 8,192 tokens, whose
+    # gmm reads rows kernel_pack packed, its packed down gmm with a bias and
+    # its combine compile in test_gpt_oss_layer_with_its_epilogues_compiles);
+    # at 3008 kernel_pack, the packed down gmm with a bias, and the combine.
     from ragged_dot_tpu.kernel_pack import pack_rows
 
     t, k, e, i = 512, 4, 4, 256
     m = t * k
-    glu = ("silu", 1.702, 7.0)
-    staged = tiling.GmmConfig(256, i, 64, resident_rows=True, stage_rows=128)
+    if hidden == 2880:
+        glu = ("silu", 1.702, 7.0)
+        staged = tiling.GmmConfig(256, i, 64, resident_rows=True, stage_rows=128)
 
-    def fn(x, w_up, w_down, bias, sizes, ids, slots, weights):
-        packed_hidden = pack_rows(x)
-        a = gmm(x, w_up, sizes, transpose_rhs=True, glu=glu, gather=ids, config=staged)
+        def fn(x, w_up, sizes, ids):
+            return gmm(x, w_up, sizes, transpose_rhs=True, glu=glu, gather=ids, config=staged)
+
+        args = [spec((t, hidden)), spec((e, 2 * i, hidden)), spec((e,), jnp.int32)]
+        assert_compiles(fn, [*args, spec((m,), jnp.int32)], "v6e")
+        return
+
+    def fn(x, a, w_down, bias, sizes, slots, weights):
         rows = gmm(a, w_down, sizes, bias=bias, packed=True, config="v6e")
-        return packed_hidden, combine(rows, slots, weights, hidden=hidden)
+        return pack_rows(x), combine(rows, slots, weights, hidden=hidden)
 
     args = [
         spec((t, hidden)),
-        spec((e, 2 * i, hidden)),
+        spec((m, i)),
         spec((e, i, hidden)),
         spec((e, hidden)),
         spec((e,), jnp.int32),
-        spec((m,), jnp.int32),
         spec((t, k), jnp.int32),
         spec((t, k), jnp.float32),
     ]
