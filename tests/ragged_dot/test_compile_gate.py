@@ -388,13 +388,15 @@ def _glu_program(point) -> GateProgram:
 # Inference's down projection writing packed rows (gmm(packed=True)) and the
 # combine kernel reading them, as one program: the layers that take them at
 # prefill (Qwen3, H = 2048; Gemma 4, H = 2816, word rows padded to whole
-# tiles), torch's [E, H, I] layout, every generation; and in the one-hot
+# tiles), torch's [E, H, I] layout, v6e and tpu7x; and in the one-hot
 # routing's range, a token count that is not a multiple of the combine's
 # 16-token loop body.
+# v5e's were 12 CPU-s of the gate (2026-12-08): the same kernels as v6e's
+# with other token blocks (tiling.combine_block_t).
 COMBINE_POINTS = [
     ("combine", model, 8192, gen)
     for model in ("qwen3_30b_a3b", "gemma4_26b_a4b")
-    for gen in ("v5e", "v6e", "tpu7x")
+    for gen in ("v6e", "tpu7x")
 ] + [("combine", "qwen3_30b_a3b", 300, "tpu7x"), ("combine", "gemma4_26b_a4b", 300, "v6e")]
 
 
