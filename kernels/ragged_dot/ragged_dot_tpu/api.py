@@ -301,6 +301,11 @@ def ragged_dot(
 # -- the fused MoE experts layer ------------------------------------------------
 
 
+def _generation(config):
+    """The generation a config-or-generation names (None: the attached chip's)."""
+    return config if isinstance(config, str) else None
+
+
 def _moe_configs(config):
     """(gate_up, down) config-or-generation of the two projections."""
     if config is None or isinstance(config, str):
@@ -409,7 +414,7 @@ def _moe_program(
             weights,
             hidden=hidden.shape[1],
             out_dtype=hidden.dtype,
-            generation=config if isinstance(config, str) else None,
+            generation=_generation(config),
             interpret=interpret,
         )
 
@@ -492,7 +497,7 @@ def _gather_fusable(hidden, top_k_index, gate_up, is_transposed, config) -> bool
         or hidden.shape[0] < tiling.GATHER_MIN_TOKENS
         # rows packed as the combine's are (padded to whole tiles where H is
         # not a multiple of 2048)
-        or not tiling.combine_in_kernel(h, config if isinstance(config, str) else None)
+        or not tiling.combine_in_kernel(h, _generation(config))
     ):
         return False
     w, transpose_rhs, _ = _hbm_view(gate_up, not is_transposed)
@@ -570,9 +575,7 @@ def _combine_fusable(hidden, top_k_index, down, bias, scale, is_transposed, conf
     as tiling picks them) covering all of H. A down bias is added in the
     gmm's epilogue before its rows are packed, as the unpacked gmm adds it."""
     h = hidden.shape[1]
-    if hidden.dtype != jnp.bfloat16 or not tiling.combine_in_kernel(
-        h, config if isinstance(config, str) else None
-    ):
+    if hidden.dtype != jnp.bfloat16 or not tiling.combine_in_kernel(h, _generation(config)):
         return False
     out_dtype = down.dtype if jnp.dtype(down.dtype).itemsize > 1 else hidden.dtype
     if out_dtype != jnp.bfloat16:
